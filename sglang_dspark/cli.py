@@ -1,0 +1,67 @@
+"""`sglang-dspark`: the project's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _cmd_patches(args: argparse.Namespace) -> int:
+    from sglang_dspark import patching
+
+    patching.check_sglang_version()
+    if args.action == "apply":
+        result = patching.apply()
+    elif args.action == "revert":
+        result = patching.revert()
+    else:
+        result = patching.status()
+    root = patching.sglang_root()
+    for s in result:
+        print(f"{s.name}: {s.state.value}")
+    print(f"(sglang at {root})")
+    bad = [s for s in result if s.state is not patching.PatchState.APPLIED]
+    if args.action == "check" and bad:
+        return 1
+    return 0
+
+
+def _cmd_setup_smollm2(args: argparse.Namespace) -> int:
+    from sglang_dspark.smollm2 import ensure_smollm2
+
+    print(ensure_smollm2(args.out, dtype=args.dtype))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglang-dspark", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("patches", help="check or apply our patches to the installed sglang")
+    p.add_argument("action", choices=["check", "apply", "revert"])
+    p.set_defaults(func=_cmd_patches)
+
+    p = sub.add_parser("setup-smollm2", help="convert the embedded SmolLM2 target once")
+    p.add_argument("--out", default=None, help="output dir (default: the cache)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.set_defaults(func=_cmd_setup_smollm2)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except (RuntimeError, FileNotFoundError, ValueError) as exc:
+        print(f"sglang-dspark: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`torch_native_target_verify`: the TARGET_VERIFY attention path for the torch_native backend.
+
+Upstream's torch_native backend handles prefill/extend and decode only. Speculative decoding runs
+two passes in TARGET_VERIFY mode and both reach `forward_extend` without extend lengths:
+- the target verifies each request's window [anchor, draft_1..] causally over its context;
+- the DSPARK draft runs the block [anchor, mask x (gamma-1)] with bidirectional attention inside
+  the block (its layers are ENCODER_ONLY) over the injected context KV.
+Per request, keys are the cached context (req_to_token[:seq_len]) followed by the window's own
+keys; the window is causal for decoder layers and full for encoder-only layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang_dspark.plugin.registry import register_around
+
+
+def _window_lens(forward_batch, num_tokens: int) -> list[int]:
+    """Tokens per request in this verify pass (uniform unless the batch says otherwise)."""
+    bs = int(forward_batch.batch_size)
+    lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    if lens is not None and len(lens) == bs and sum(int(x) for x in lens) == num_tokens:
+        return [int(x) for x in lens]
+    if num_tokens % bs:
+        raise RuntimeError(
+            f"TARGET_VERIFY on torch_native got {num_tokens} tokens for {bs} requests"
+        )
+    return [num_tokens // bs] * bs
+
+
+def target_verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    num_tokens = q.shape[0]
+    q_ = q.view(num_tokens, layer.tp_q_head_num, layer.qk_head_dim)
+    k_ = k.view(num_tokens, layer.tp_k_head_num, layer.qk_head_dim)
+    v_ = v.view(num_tokens, layer.tp_v_head_num, layer.v_head_dim)
+    if save_kv_cache:
+        backend.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
+        )
+    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    causal = layer.attn_type != AttentionType.ENCODER_ONLY
+    out = q.new_empty(num_tokens, layer.tp_q_head_num, layer.v_head_dim)
+
+    seq_lens = forward_batch.seq_lens.tolist()
+    pools = forward_batch.req_pool_indices.tolist()
+    start = 0
+    for i, n in enumerate(_window_lens(forward_batch, num_tokens)):
+        ctx = req_to_token[pools[i], : seq_lens[i]].long()
+        keys = torch.cat([k_cache[ctx].to(q.dtype), k_[start : start + n]], 0)
+        values = torch.cat([v_cache[ctx].to(q.dtype), v_[start : start + n]], 0)
+        mask = None
+        if causal:
+            # row r sees all context and window rows 0..r
+            mask = torch.ones(n, seq_lens[i] + n, dtype=torch.bool, device=q.device)
+            mask[:, seq_lens[i] :] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        o = scaled_dot_product_attention(
+            q_[start : start + n].transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=layer.scaling,
+            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+        )
+        out[start : start + n] = o.squeeze(0).transpose(0, 1)
+        start += n
+    return out.view(num_tokens, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def _forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True):
+    if forward_batch.forward_mode.is_target_verify() and not layer.is_cross_attention:
+        return target_verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    return original(backend, q, k, v, layer, forward_batch, save_kv_cache)
+
+
+def install_target_verify() -> None:
+    register_around(
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+        _forward_extend,
+    )
+
+
+HOOKS = {"torch_native_target_verify": install_target_verify}

