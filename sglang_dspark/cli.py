@@ -34,6 +34,25 @@ def _cmd_setup_smollm2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_embedded(args: argparse.Namespace) -> int:
+    from sglang_dspark import embedded
+
+    paths = embedded.ensure(dtype=args.dtype)
+    if args.print_command:
+        print(" ".join(embedded.launch_command(paths, port=args.port)))
+    else:
+        print(f"target: {paths.target}\ndraft:  {paths.draft}")
+    return 0
+
+
+def _lazy(module: str, add: str, run: str):
+    """Subcommands from modules that import torch: load them only when used."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    return getattr(mod, add), getattr(mod, run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sglang-dspark", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -47,6 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output dir (default: the cache)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.set_defaults(func=_cmd_setup_smollm2)
+
+    p = sub.add_parser("embedded", help="set up the embedded default (SmolLM2 + its drafter)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--print-command", action="store_true", help="print the launch command")
+    p.set_defaults(func=_cmd_embedded)
+
+    for name, module, add, run, text in [
+        ("make-draft", "sglang_dspark.drafter.checkpoint", "add_make_draft_arguments",
+         "run_make_draft", "write a randomly initialised SGLang DSpark draft for a target"),
+        ("export", "sglang_dspark.drafter.checkpoint", "add_export_arguments", "run_export",
+         "export a trained / DeepSpec drafter as an SGLang checkpoint"),
+        ("train", "sglang_dspark.drafter.train", "add_arguments", "run",
+         "train a DSpark drafter against a frozen target"),
+    ]:
+        p = sub.add_parser(name, help=text)
+        add_fn, run_fn = _lazy(module, add, run)
+        add_fn(p)
+        p.set_defaults(func=run_fn)
     return parser
 
 

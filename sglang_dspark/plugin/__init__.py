@@ -17,12 +17,19 @@ _registered = False
 
 
 def _hooks():
-    from sglang_dspark.plugin import cpu_attention, cpu_dspark, cpu_kernels, draft_validation
+    from sglang_dspark.plugin import (
+        cpu_attention,
+        cpu_dspark,
+        cpu_kernels,
+        cpu_sampling,
+        draft_validation,
+    )
 
     return {
         **cpu_kernels.HOOKS,
         **cpu_dspark.HOOKS,
         **cpu_attention.HOOKS,
+        **cpu_sampling.HOOKS,
         **draft_validation.HOOKS,
     }
 

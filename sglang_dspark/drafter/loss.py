@@ -1,0 +1,108 @@
+"""The DSpark training loss: three terms over block positions k = 1..gamma.
+
+    L = 0.1 * CE + 0.9 * TV + 1.0 * CONF,  each  sum_k w_k * term_k / sum_k w_k
+
+    w_k    = exp(-(k-1) / decay)            (DeepSpec: decay 4.0 with gamma 7)
+    CE_k   = -log p_d,k(x_k)                (x_k: the target's own continuation)
+    TV_k   = || p_d,k - p_t,k ||_1          (the L1 distance; expected acceptance is 1 - TV_k/2)
+    CONF_k = BCE( c_k, c*_k ),  c*_k = 1 - 0.5 || p_d,k - p_t,k ||_1  (detached soft label)
+
+p_d,k = softmax(U_k + B_k) is the drafter's corrected distribution (teacher-forced Markov
+head), p_t,k the target's at the same position. Positions past the end of the sequence or off
+the loss mask (and everything after the first such position in a block) get weight 0.
+
+Terms are returned as sums so that data-parallel ranks and micro-batches can share one
+global normaliser (sum of w_k over the global batch): the gradient then does not depend on
+how the batch was split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+    decay: float = 4.0  # w_k = exp(-(k-1)/decay); <= 0 means uniform weights
+
+
+def position_weights(
+    block_size: int, decay: float, device: torch.device | None = None
+) -> torch.Tensor:
+    """w_1..w_gamma = exp(-(k-1)/decay), or ones when decay <= 0."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    if decay is None or decay <= 0:
+        return torch.ones_like(k)
+    return torch.exp(-k / float(decay))
+
+
+@dataclass
+class LossSums:
+    """Weighted sums of the three terms, their weight total, and the acceptance proxy."""
+
+    ce: torch.Tensor
+    tv: torch.Tensor
+    conf: torch.Tensor
+    weight: torch.Tensor  # sum of w_k over supervised positions
+    accept: torch.Tensor  # sum over supervised positions of 1 - TV_k / 2 (unweighted)
+    count: torch.Tensor  # number of supervised positions
+
+    def __add__(self, other: LossSums) -> LossSums:
+        return LossSums(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def detached(self) -> LossSums:
+        return LossSums(*(getattr(self, f.name).detach() for f in fields(self)))
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.stack([getattr(self, f.name).detach().float() for f in fields(self)])
+
+    @classmethod
+    def zeros(cls, device: torch.device | None = None) -> LossSums:
+        return cls(*(torch.zeros((), device=device) for _ in fields(cls)))
+
+
+def loss_sums(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    confidence_logits: torch.Tensor | None,
+    *,
+    decay: float,
+) -> LossSums:
+    """draft_logits / target_logits [N, gamma, V]; labels, valid, confidence_logits [N, gamma]."""
+    gamma = draft_logits.shape[1]
+    w = position_weights(gamma, decay, draft_logits.device) * valid.float()  # [N, gamma]
+    log_pd = torch.log_softmax(draft_logits.float(), dim=-1)
+    p_t = torch.softmax(target_logits.float(), dim=-1)
+    ce = -log_pd.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    tv = (log_pd.exp() - p_t).abs().sum(dim=-1)  # ||p_d - p_t||_1
+    if confidence_logits is not None:
+        c_star = (1.0 - 0.5 * tv.detach()).clamp(0.0, 1.0)
+        conf = F.binary_cross_entropy_with_logits(
+            confidence_logits.float(), c_star, reduction="none"
+        )
+        conf_sum = (conf * w).sum()
+    else:
+        conf_sum = w.new_zeros(())
+    vf = valid.float()
+    return LossSums(
+        ce=(ce * w).sum(),
+        tv=(tv * w).sum(),
+        conf=conf_sum,
+        weight=w.sum(),
+        accept=((1.0 - 0.5 * tv.detach()) * vf).sum(),
+        count=vf.sum(),
+    )
+
+
+def combine(sums: LossSums, weights: LossWeights, weight_total: torch.Tensor) -> torch.Tensor:
+    """0.1 CE + 0.9 TV + 1.0 CONF, normalised by the (global) weight total."""
+    denom = weight_total.clamp_min(1e-6)
+    return (weights.ce * sums.ce + weights.tv * sums.tv + weights.conf * sums.conf) / denom

@@ -1,0 +1,636 @@
+"""Train a DSpark drafter against a frozen Hugging Face target.
+
+    python -m sglang_dspark.drafter.train --data train.jsonl --target TARGET_DIR --out-dir RUN
+    torchrun --nproc_per_node 2 -m sglang_dspark.drafter.train ...      (gloo on CPU)
+
+Data format (JSONL, one sequence per line; a directory of *.jsonl files also works):
+
+    {"input_ids": [int, ...], "loss_mask": [0|1, ...]}
+
+``input_ids`` is prompt + response as the target tokenizes it; ``loss_mask`` (same length,
+optional: all ones when absent) is 1 on response tokens. A block's anchor a is placed where
+loss_mask[a] and loss_mask[a+1] are 1, and block position k is supervised while
+loss_mask[a+k] stays 1. ``{"prompt_ids": [...], "response_ids": [...]}`` is accepted too.
+
+Each optimizer step takes ``global_batch_size`` sequences (split over ranks), places up to
+``num_anchors`` random anchors per sequence, runs the target once per sequence (context
+features + final hidden state) and the drafter once per micro-batch on all blocks packed
+together. Loss: ``loss.py``. The loss normaliser is the global sum of position weights, and
+gradients are summed over ranks, so N ranks compute the same update as one.
+Anchors and data order are functions of (seed, epoch, sample index) only: a resumed run
+replays exactly what an uninterrupted one would have done.
+
+Checkpoints: ``OUT/checkpoints/latest.pt`` every ``checkpoint_every`` steps (tmp file +
+os.replace, so a kill -9 loses at most the steps since the last one); a rerun with the same
+``--out-dir`` resumes from it. The final drafter is exported to ``OUT/draft`` (SGLang format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (
+    DraftCheckpointError,
+    load_draft,
+    load_training_checkpoint,
+    save_draft,
+)
+from .config import DraftConfigError, DSparkDraftConfig, validate_draft_for_target
+from .loss import LossSums, LossWeights, combine, loss_sums, position_weights
+from .model import BlockLayout, DSparkDrafter, init_weights
+from .target import TargetAdapter, load_target_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on (configs as data: JSON <-> dataclass)."""
+
+    data: str  # JSONL file or directory of *.jsonl
+    target: str  # target model directory (Hugging Face format)
+    out_dir: str
+    # Drafter shape (ignored when init_draft is given).
+    block_size: int = 7  # gamma
+    num_layers: int = 1
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    target_layer_ids: list[int] | None = None  # default: 5 spread ids, see config.py
+    num_context_features: int | None = None  # m when target_layer_ids is not given
+    mask_token_id: int | None = None
+    init_draft: str | None = None  # start from an SGLang / DeepSpec draft directory
+    # Data.
+    max_length: int = 2048
+    num_anchors: int = 64  # anchors (blocks) per sequence
+    # Optimisation.
+    steps: int | None = None  # default: epochs * steps_per_epoch
+    epochs: int = 1
+    global_batch_size: int = 8  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = 1  # sequences per drafter forward, per rank
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+    decay: float = 4.0  # w_k = exp(-(k-1)/decay)
+    precision: str = "auto"  # auto (bf16 autocast where the CPU has bf16), bf16, fp32
+    target_dtype: str = "float32"
+    seed: int = 0
+    # Bookkeeping.
+    checkpoint_every: int = 100
+    resume: bool = True
+    # End this invocation after N steps WITHOUT a final checkpoint, as an interruption would
+    # (steps since the last checkpoint are redone on resume). For tests and time-boxed runs.
+    stop_after: int | None = None
+    export_dtype: str = "bfloat16"
+    progress: bool = True
+
+    @classmethod
+    def from_json(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        raw = json.loads(Path(path).read_text())
+        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise DraftConfigError(f"{path}: unknown training config keys {sorted(unknown)}")
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**raw)
+
+    @property
+    def loss_weights(self) -> LossWeights:
+        return LossWeights(self.ce_weight, self.tv_weight, self.conf_weight, self.decay)
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class TokenSequence:
+    input_ids: torch.Tensor  # [S] long
+    loss_mask: torch.Tensor  # [S] bool
+
+
+def load_sequences(path: str | Path, *, max_length: int) -> list[TokenSequence]:
+    """Read the JSONL format described in the module docstring."""
+    path = Path(path)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise DraftConfigError(f"no training data at {path}; pass a JSONL file or a directory.")
+    out: list[TokenSequence] = []
+    for f in files:
+        with f.open() as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                where = f"{f}:{lineno}"
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DraftConfigError(f"{where}: not JSON ({e})") from e
+                if "input_ids" in rec:
+                    ids = rec["input_ids"]
+                    mask = rec.get("loss_mask") or [1] * len(ids)
+                elif "prompt_ids" in rec and "response_ids" in rec:
+                    ids = list(rec["prompt_ids"]) + list(rec["response_ids"])
+                    mask = [0] * len(rec["prompt_ids"]) + [1] * len(rec["response_ids"])
+                else:
+                    raise DraftConfigError(
+                        f"{where}: expected {{'input_ids': [...], 'loss_mask': [...]}} "
+                        "(or prompt_ids + response_ids)"
+                    )
+                if len(mask) != len(ids):
+                    raise DraftConfigError(
+                        f"{where}: loss_mask has {len(mask)} entries for {len(ids)} input_ids"
+                    )
+                ids, mask = ids[:max_length], mask[:max_length]
+                if len(ids) < 2:
+                    continue
+                out.append(
+                    TokenSequence(
+                        torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+                    )
+                )
+    if not out:
+        raise DraftConfigError(f"{path} holds no sequence of 2 or more tokens.")
+    return out
+
+
+def _stable_seed(*parts: int) -> int:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions a with loss_mask[a] and loss_mask[a+1]: the anchor is a response token
+    (in serving: the target's bonus token) and the block's first target is one too."""
+    ok = loss_mask[:-1] & loss_mask[1:]
+    return ok.nonzero().squeeze(-1)
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, seed: int) -> torch.Tensor:
+    cand = anchor_candidates(loss_mask)
+    if cand.numel() == 0:
+        return cand
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(cand.numel(), generator=gen)[:num_anchors]
+    return cand[pick].sort().values
+
+
+@dataclass
+class BlockTargets:
+    """Per-sequence supervision for its blocks (all [B, gamma] unless noted)."""
+
+    anchors: torch.Tensor  # [B]
+    labels: torch.Tensor  # x_{a+k}
+    prev_tokens: torch.Tensor  # x_{a+k-1}: teacher-forced Markov / confidence input
+    valid: torch.Tensor  # supervised positions (contiguous prefix of each block)
+    target_pos: torch.Tensor  # position whose target hidden state predicts x_{a+k}
+
+
+def block_targets(seq: TokenSequence, anchors: torch.Tensor, block_size: int) -> BlockTargets:
+    S = seq.input_ids.numel()
+    k = torch.arange(1, block_size + 1)
+    label_pos = anchors[:, None] + k  # a+1 .. a+gamma
+    in_range = label_pos < S
+    safe = label_pos.clamp(max=S - 1)
+    valid = (in_range & seq.loss_mask[safe]).int().cumprod(dim=-1).bool()
+    return BlockTargets(
+        anchors=anchors,
+        labels=seq.input_ids[safe],
+        prev_tokens=seq.input_ids[(label_pos - 1).clamp(max=S - 1)],
+        valid=valid,
+        target_pos=safe - 1,
+    )
+
+
+class StepSchedule:
+    """Which sequences each step uses: a fresh permutation per epoch, drop-last batches."""
+
+    def __init__(self, num_sequences: int, global_batch_size: int, seed: int) -> None:
+        if num_sequences < global_batch_size:
+            raise DraftConfigError(
+                f"the dataset has {num_sequences} sequences, fewer than global_batch_size "
+                f"{global_batch_size}; lower global_batch_size or add data."
+            )
+        self.n = num_sequences
+        self.g = global_batch_size
+        self.seed = seed
+        self.steps_per_epoch = num_sequences // global_batch_size
+        self._perm_epoch = -1
+        self._perm = torch.arange(0)
+
+    def samples(self, step: int) -> tuple[int, list[int]]:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if epoch != self._perm_epoch:
+            gen = torch.Generator().manual_seed(_stable_seed(self.seed, epoch))
+            self._perm = torch.randperm(self.n, generator=gen)
+            self._perm_epoch = epoch
+        return epoch, self._perm[i * self.g : (i + 1) * self.g].tolist()
+
+
+def warmup_cosine(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
+    warmup = max(1, math.ceil(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
+
+    return factor
+
+
+# ---------------------------------------------------------------------------- trainer
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+
+def _init_distributed() -> _Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    return _Dist(rank=dist.get_rank(), world=dist.get_world_size())
+
+
+def _use_bf16(precision: str) -> bool:
+    if precision == "fp32":
+        return False
+    if precision == "bf16":
+        return True
+    if precision != "auto":
+        raise DraftConfigError(f"precision {precision!r} is not one of auto, bf16, fp32")
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # noqa: BLE001 - any failure means "no fast bf16"
+        return False
+
+
+@dataclass
+class StepStats:
+    loss: float
+    accept: float  # mean 1 - TV/2 over supervised positions (acceptance proxy)
+    tokens: int
+    lr: float
+    grad_norm: float
+    per_term: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, dist_ctx: _Dist | None = None) -> None:
+        self.cfg = cfg
+        self.dist = dist_ctx or _Dist()
+        if cfg.global_batch_size % self.dist.world:
+            raise DraftConfigError(
+                f"global_batch_size {cfg.global_batch_size} is not divisible by the "
+                f"{self.dist.world} ranks"
+            )
+        self.out_dir = Path(cfg.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt_path = self.out_dir / "checkpoints" / "latest.pt"
+        target_config = load_target_config(cfg.target)
+        self.draft_config = self._draft_config(target_config)
+        problems = validate_draft_for_target(self.draft_config, target_config)
+        if problems:
+            raise DraftConfigError("cannot train this drafter:\n  - " + "\n  - ".join(problems))
+        self.target = TargetAdapter.from_pretrained(
+            cfg.target, self.draft_config.target_layer_ids, dtype=getattr(torch, cfg.target_dtype)
+        )
+        self.drafter = self._build_drafter()
+        self.drafter.attach_shared(self.target.embed_weight, self.target.lm_head_weight)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.sequences = load_sequences(cfg.data, max_length=cfg.max_length)
+        vocab = self.draft_config.vocab_size
+        for i, s in enumerate(self.sequences):
+            if int(s.input_ids.max()) >= vocab or int(s.input_ids.min()) < 0:
+                raise DraftConfigError(
+                    f"sequence {i} of {cfg.data} has token id {int(s.input_ids.max())} outside "
+                    f"the target vocabulary ({vocab}); was it tokenized for another model?"
+                )
+        self.schedule = StepSchedule(len(self.sequences), cfg.global_batch_size, cfg.seed)
+        self.total_steps = cfg.steps or cfg.epochs * self.schedule.steps_per_epoch
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(self.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+        )
+        self.bf16 = _use_bf16(cfg.precision)
+        self.step = 0
+        if cfg.resume and self.ckpt_path.is_file():
+            self._resume()
+
+    # -------------------------------------------------------------- setup
+    def _draft_config(self, target_config: dict) -> DSparkDraftConfig:
+        cfg = self.cfg
+        if cfg.init_draft:
+            return DSparkDraftConfig.load(cfg.init_draft)
+        return DSparkDraftConfig.for_target(
+            target_config,
+            num_layers=cfg.num_layers,
+            block_size=cfg.block_size,
+            markov_rank=cfg.markov_rank,
+            markov_head_type=cfg.markov_head_type,
+            target_layer_ids=cfg.target_layer_ids,
+            num_context_features=cfg.num_context_features,
+            mask_token_id=cfg.mask_token_id,
+            enable_confidence_head=True,
+            confidence_head_with_markov=True,
+        )
+
+    def _build_drafter(self) -> DSparkDrafter:
+        if self.cfg.init_draft:
+            drafter = load_draft(self.cfg.init_draft, target_config=self.target.config)
+        else:
+            drafter = DSparkDrafter(self.draft_config)
+            init_weights(drafter, seed=self.cfg.seed)
+        if self.dist.world > 1:  # identical start on every rank
+            for p in drafter.parameters():
+                dist.broadcast(p.data, src=0)
+        return drafter.float().train()
+
+    def _resume(self) -> None:
+        state = load_training_checkpoint(self.ckpt_path)
+        if state.get("draft_config") != self.draft_config.to_sglang_dict():
+            raise DraftCheckpointError(
+                f"{self.ckpt_path} belongs to a different drafter (config differs); use another "
+                "--out-dir, or --no-resume to start over"
+            )
+        self.drafter.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        if self.dist.main:
+            logger.info("resumed from %s at step %d", self.ckpt_path, self.step)
+            metrics = self.out_dir / "metrics.jsonl"
+            if metrics.is_file():  # drop the lost steps; they are about to be redone
+                kept = [
+                    line
+                    for line in metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= self.step
+                ]
+                metrics.write_text("".join(line + "\n" for line in kept))
+
+    def save_checkpoint(self) -> None:
+        if self.dist.main:
+            self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+            state = {
+                "step": self.step,
+                "model": self.drafter.trainable_state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "draft_config": self.draft_config.to_sglang_dict(),
+                "train_config": dataclasses.asdict(self.cfg),
+            }
+            tmp = self.ckpt_path.with_name(f".{self.ckpt_path.name}.tmp")
+            torch.save(state, tmp)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.ckpt_path)
+        if self.dist.world > 1:
+            dist.barrier()
+
+    # -------------------------------------------------------------- one step
+    def _plan(self, step: int) -> list[tuple[TokenSequence, BlockTargets]]:
+        epoch, samples = self.schedule.samples(step)
+        local = samples[self.dist.rank :: self.dist.world]
+        plan = []
+        for idx in local:
+            seq = self.sequences[idx]
+            anchors = sample_anchors(
+                seq.loss_mask, self.cfg.num_anchors, _stable_seed(self.cfg.seed, epoch, idx)
+            )
+            plan.append((seq, block_targets(seq, anchors, self.draft_config.block_size)))
+        return plan
+
+    def _micro_batch(self, items: Sequence[tuple[TokenSequence, BlockTargets]]):
+        """Run the target and pack every block of ``items`` into one drafter layout."""
+        ctx, finals, ctx_pos, lo, hi, tpos = [], [], [], [], [], []
+        targets: list[BlockTargets] = []
+        offset = 0
+        for seq, bt in items:
+            if bt.anchors.numel() == 0:
+                continue
+            feats = self.target.features(seq.input_ids)
+            S = seq.input_ids.numel()
+            ctx.append(feats.context)
+            finals.append(feats.final_hidden)
+            ctx_pos.append(torch.arange(S))
+            lo.append(torch.full_like(bt.anchors, offset))
+            hi.append(offset + bt.anchors)  # context strictly before the anchor
+            tpos.append(offset + bt.target_pos)
+            targets.append(bt)
+            offset += S
+        if not targets:
+            return None
+        cat = lambda name: torch.cat([getattr(t, name) for t in targets])
+        anchors_tok = cat("prev_tokens")[:, 0]
+        block_ids = torch.full(
+            (anchors_tok.numel(), self.draft_config.block_size), self.draft_config.mask_token_id
+        )
+        block_ids[:, 0] = anchors_tok  # [anchor, mask x (gamma-1)]
+        anchors = cat("anchors")
+        layout = BlockLayout(
+            block_ids=block_ids,
+            positions=anchors[:, None] + torch.arange(self.draft_config.block_size),
+            ctx_positions=torch.cat(ctx_pos),
+            ctx_lo=torch.cat(lo),
+            ctx_hi=torch.cat(hi),
+        )
+        final = torch.cat(finals)
+        with torch.no_grad():  # hidden-state communication: LM head only where needed
+            target_logits = self.target.logits(final[torch.cat(tpos)]).float()
+        return (
+            torch.cat(ctx),
+            layout,
+            cat("labels"),
+            cat("prev_tokens"),
+            cat("valid"),
+            target_logits,
+        )
+
+    def train_step(self) -> StepStats:
+        cfg = self.cfg
+        plan = self._plan(self.step)
+        w = position_weights(self.draft_config.block_size, cfg.decay)
+        local_weight = torch.stack([(bt.valid.float() * w).sum() for _, bt in plan]).sum()
+        weight_total = self.dist.all_reduce_(local_weight.clone())
+        totals = LossSums.zeros()
+        tokens = 0
+        for i in range(0, len(plan), cfg.micro_batch_size):
+            items = plan[i : i + cfg.micro_batch_size]
+            tokens += sum(seq.input_ids.numel() for seq, _ in items)
+            mb = self._micro_batch(items)
+            if mb is None:
+                continue
+            ctx, layout, labels, prev, valid, target_logits = mb
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                hidden = self.drafter(ctx, layout)
+                draft_logits = self.drafter.draft_logits(hidden, prev)
+                conf_logits = self.drafter.confidence_logits(hidden, prev)
+            sums = loss_sums(
+                draft_logits, target_logits, labels, valid, conf_logits, decay=cfg.decay
+            )
+            loss = combine(sums, cfg.loss_weights, weight_total)
+            loss.backward()
+            totals = totals + sums.detached()
+        for p in self.params:  # sum gradients over ranks (the loss is globally normalised)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.dist.all_reduce_(p.grad)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        stats = self.dist.all_reduce_(
+            torch.cat([totals.as_tensor(), torch.tensor([float(tokens)])])
+        )
+        ce, tv, conf, weight, accept, count, tok = stats.tolist()
+        denom = max(weight, 1e-6)
+        lw = cfg.loss_weights
+        return StepStats(
+            loss=(lw.ce * ce + lw.tv * tv + lw.conf * conf) / denom,
+            accept=accept / max(count, 1.0),
+            tokens=int(tok),
+            lr=lr,
+            grad_norm=float(grad_norm),
+            per_term={"ce": ce / denom, "tv": tv / denom, "conf": conf / denom},
+        )
+
+    # -------------------------------------------------------------- loop
+    def train(self) -> Path:
+        cfg = self.cfg
+        end = self.total_steps
+        if cfg.stop_after is not None:
+            end = min(end, self.step + cfg.stop_after)
+        bar = None
+        if self.dist.main and cfg.progress and self.step < end:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=self.step, desc="dspark", unit="step")
+        metrics = (self.out_dir / "metrics.jsonl").open("a") if self.dist.main else None
+        t0, tokens = time.perf_counter(), 0
+        try:
+            while self.step < end:
+                stats = self.train_step()
+                tokens += stats.tokens
+                tok_s = tokens / max(time.perf_counter() - t0, 1e-9)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{stats.loss:.4f}", acc=f"{stats.accept:.3f}", tok_s=f"{tok_s:.0f}"
+                    )
+                if metrics is not None:
+                    rec = {"step": self.step, **dataclasses.asdict(stats), "tok_s": tok_s}
+                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.flush()
+                if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
+                    self.save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics is not None:
+                metrics.close()
+        if self.step >= self.total_steps:
+            return self.export()
+        # stop_after: like an interruption, steps since the last checkpoint are not saved.
+        return self.ckpt_path
+
+    def export(self) -> Path:
+        out = self.out_dir / "draft"
+        if self.dist.main:
+            save_draft(self.drafter, out, dtype=getattr(torch, self.cfg.export_dtype))
+        if self.dist.world > 1:
+            dist.barrier()
+        return out
+
+
+# ---------------------------------------------------------------------------- CLI
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.replace(",", " ").split()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for every TrainConfig field (``--config FILE.json`` supplies defaults)."""
+    parser.add_argument("--config", default=None, help="JSON file with TrainConfig fields")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction)
+        elif f.name == "target_layer_ids":
+            parser.add_argument(flag, dest=f.name, type=_int_list, help="e.g. 1,8,15,22,27")
+        else:
+            base_type = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
+            kind = {"int": int, "float": float}.get(base_type, str)
+            parser.add_argument(flag, dest=f.name, type=kind)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    if args.config:
+        return TrainConfig.from_json(args.config, **values)
+    missing = [n for n in ("data", "target", "out_dir") if values[n] is None]
+    if missing:
+        raise DraftConfigError(
+            "missing "
+            + ", ".join("--" + m.replace("_", "-") for m in missing)
+            + " (or give them in --config)"
+        )
+    return TrainConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(args)
+    d = _init_distributed()
+    try:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        out = Trainer(cfg, dist_ctx=d).train()
+        if d.main:
+            print(out)
+    finally:
+        if d.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train a DSpark drafter (see module doc).")
+    add_arguments(parser)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        return run(args)
+    except (DraftConfigError, DraftCheckpointError) as e:
+        parser.exit(2, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

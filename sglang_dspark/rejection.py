@@ -1,0 +1,120 @@
+"""Lossless rejection sampling for a chain of draft tokens, in torch.
+
+The math (DSPARK.md section 1): at draft position k accept x_k with probability
+min(1, p_t(x_k) / p_d(x_k)); at the first rejection sample the replacement from
+norm(max(0, p_t - p_d)) and drop the rest; if every draft is accepted, sample the bonus token
+from p_t at the position after the last draft. The output distribution equals the target's.
+
+`chain_rejection_sample` is the readable reference used by tests and the offline evaluator.
+`chain_speculative_sampling_torch` has the exact signature and buffer layout of SGLang's
+Triton kernel `chain_speculative_sampling_triton`, so the plugin can swap it in on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _residual(p_t: torch.Tensor, p_d: torch.Tensor) -> torch.Tensor:
+    """max(0, p_t - p_d); a non-probability p_d (NaN, inf, < 0) counts as 0."""
+    p_d = torch.where((p_d >= 0) & (p_d <= 1), p_d, torch.zeros_like(p_d))
+    return (p_t - p_d).clamp_min(0)
+
+
+def _sample_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling of each row of unnormalised `weights` with uniform `coins`."""
+    cdf = weights.cumsum(-1)
+    target = coins * cdf[:, -1]
+    hit = cdf > target[:, None]
+    token = hit.int().argmax(-1)
+    # A degenerate row (all zero) falls back to the last id, as the Triton kernel does.
+    return torch.where(hit.any(-1), token, torch.full_like(token, weights.shape[-1] - 1))
+
+
+def accept_lengths(
+    drafts: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    coins: torch.Tensor,
+) -> torch.Tensor:
+    """Number of accepted leading drafts per request.
+
+    drafts [bs, g]; target_probs [bs, >=g, V]; draft_probs [bs, g, V]; coins [bs, g] uniform.
+    """
+    g = drafts.shape[1]
+    idx = drafts.long().unsqueeze(-1)
+    p = target_probs[:, :g].float().gather(-1, idx).squeeze(-1)
+    q = draft_probs[:, :g].float().gather(-1, idx).squeeze(-1)
+    ok = (q > 0) & (q <= 1) & (coins * q < p)
+    return ok.int().cumprod(1).sum(1)
+
+
+def chain_rejection_sample(
+    drafts: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (num_accepted [bs], next_token [bs]): the replacement or bonus token."""
+    bs, g = drafts.shape
+    coins = torch.rand(bs, g, generator=generator, device=drafts.device)
+    final_coins = torch.rand(bs, generator=generator, device=drafts.device)
+    n = accept_lengths(drafts, target_probs, draft_probs, coins)
+    return n, _final_token(n, target_probs, draft_probs, final_coins)
+
+
+def _final_token(n, target_probs, draft_probs, final_coins) -> torch.Tensor:
+    bs, g = draft_probs.shape[:2]
+    rows = torch.arange(bs, device=n.device)
+    p_t = target_probs[rows, n.long()].float()
+    p_d = draft_probs[rows, n.clamp(max=g - 1).long()].float()
+    all_accepted = (n == g)[:, None]
+    weights = torch.where(all_accepted, p_t, _residual(p_t, p_d))
+    return _sample_cdf(weights, final_coins)
+
+
+def chain_speculative_sampling_torch(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    uniform_samples,
+    uniform_samples_for_final_sampling,
+    target_probs,
+    draft_probs,
+    threshold_single,
+    threshold_acc,
+    deterministic,
+    *,
+    block_verification: bool = False,
+):
+    """Drop-in for SGLang's `chain_speculative_sampling_triton` (same buffers, same coins).
+
+    candidates [bs, n] hold [anchor, draft_1..draft_{n-1}]; retrive_index [bs, n] the global
+    slot of each; on return predicts[slot j] is the token that follows slot j on the accepted
+    path, accept_index[:, :k+1] the accepted slots and accept_token_num the k accepted drafts.
+    """
+    if block_verification:
+        raise NotImplementedError("block verification has no CPU implementation")
+    if threshold_single != 1.0 or threshold_acc != 1.0:
+        raise NotImplementedError("relaxed acceptance thresholds are not lossless; use 1.0")
+    bs, n_slots = candidates.shape
+    drafts = candidates[:, 1:]
+    g = n_slots - 1
+    n = accept_lengths(drafts, target_probs, draft_probs, uniform_samples[:, :g].float())
+    final = _final_token(n, target_probs, draft_probs, uniform_samples_for_final_sampling.float())
+
+    slots = retrive_index[:bs, :n_slots].long()
+    cols = torch.arange(n_slots, device=candidates.device)
+    on_path = cols[None, :] <= n[:, None]
+    # the token after slot j is draft j+1 while accepted, then the final token
+    nxt = torch.cat([drafts, final[:, None]], 1).to(predicts.dtype)
+    nxt[torch.arange(bs), n.long()] = final.to(predicts.dtype)
+    predicts[slots[on_path]] = nxt[on_path]
+    accept_index[:bs, :n_slots] = torch.where(
+        on_path, slots, accept_index[:bs, :n_slots].long()
+    ).to(accept_index.dtype)
+    accept_token_num[:bs] = n.to(accept_token_num.dtype)

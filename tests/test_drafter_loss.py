@@ -1,0 +1,85 @@
+"""The DSpark loss against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sglang_dspark.drafter.loss import LossWeights, combine, loss_sums, position_weights
+
+LN = math.log
+
+
+def _example():
+    # One block, gamma = 2, vocabulary {0, 1}.
+    draft = torch.tensor([[[0.0, 0.0], [LN(3), 0.0]]])  # p_d = (.5, .5), (.75, .25)
+    target = torch.tensor([[[LN(4), 0.0], [0.0, 0.0]]])  # p_t = (.8, .2), (.5, .5)
+    labels = torch.tensor([[0, 1]])
+    conf = torch.tensor([[0.0, LN(3)]])  # c = .5, .75
+    return draft, target, labels, conf
+
+
+def test_position_weights():
+    w = position_weights(7, 4.0)
+    torch.testing.assert_close(w, torch.exp(-torch.arange(7.0) / 4.0))
+    assert w[0] == 1.0
+    torch.testing.assert_close(position_weights(3, 0.0), torch.ones(3))
+
+
+def test_terms_by_hand():
+    draft, target, labels, conf = _example()
+    s = loss_sums(draft, target, labels, torch.ones(1, 2, dtype=torch.bool), conf, decay=1.0)
+    w2 = math.exp(-1.0)
+    ce = LN(2) + w2 * LN(4)  # -log .5, -log .25
+    tv = 0.6 + w2 * 0.5  # |.5-.8|+|.5-.2|, |.75-.5|+|.25-.5|
+    # c* = 1 - TV/2 = .7, .75; BCE(.5; .7) = ln 2; BCE(.75; .75) = entropy(.75)
+    bce2 = -(0.75 * LN(0.75) + 0.25 * LN(0.25))
+    conf_sum = LN(2) + w2 * bce2
+    torch.testing.assert_close(s.ce, torch.tensor(ce))
+    torch.testing.assert_close(s.tv, torch.tensor(tv))
+    torch.testing.assert_close(s.conf, torch.tensor(conf_sum))
+    torch.testing.assert_close(s.weight, torch.tensor(1 + w2))
+    torch.testing.assert_close(s.accept, torch.tensor(0.7 + 0.75))  # unweighted 1 - TV/2
+    assert s.count == 2
+    loss = combine(s, LossWeights(decay=1.0), s.weight)
+    expected = (0.1 * ce + 0.9 * tv + 1.0 * conf_sum) / (1 + w2)
+    torch.testing.assert_close(loss, torch.tensor(expected))
+
+
+def test_invalid_positions_get_no_weight():
+    draft, target, labels, conf = _example()
+    s = loss_sums(draft, target, labels, torch.tensor([[True, False]]), conf, decay=1.0)
+    torch.testing.assert_close(s.ce, torch.tensor(LN(2)))
+    torch.testing.assert_close(s.tv, torch.tensor(0.6))
+    torch.testing.assert_close(s.weight, torch.tensor(1.0))
+    assert s.count == 1
+
+
+def test_global_normaliser_makes_split_invariant():
+    """Two halves normalised by the global weight total sum to the whole-batch loss."""
+    gen = torch.Generator().manual_seed(0)
+    draft = torch.randn(6, 4, 11, generator=gen)
+    target = torch.randn(6, 4, 11, generator=gen)
+    labels = torch.randint(0, 11, (6, 4), generator=gen)
+    valid = torch.rand(6, 4, generator=gen) > 0.3
+    conf = torch.randn(6, 4, generator=gen)
+    lw = LossWeights()
+    whole = loss_sums(draft, target, labels, valid, conf, decay=4.0)
+    a = loss_sums(draft[:2], target[:2], labels[:2], valid[:2], conf[:2], decay=4.0)
+    b = loss_sums(draft[2:], target[2:], labels[2:], valid[2:], conf[2:], decay=4.0)
+    total = a.weight + b.weight
+    torch.testing.assert_close(
+        combine(a, lw, total) + combine(b, lw, total), combine(whole, lw, whole.weight)
+    )
+
+
+def test_confidence_label_is_detached():
+    """CONF trains the confidence head only: c*_k does not pull the draft distribution."""
+    draft, target, labels, conf = _example()
+    draft.requires_grad_(True)
+    conf.requires_grad_(True)
+    s = loss_sums(draft, target, labels, torch.ones(1, 2, dtype=torch.bool), conf, decay=4.0)
+    combine(s, LossWeights(ce=0.0, tv=0.0, conf=1.0), s.weight).backward()
+    assert draft.grad is None or float(draft.grad.abs().max()) == 0.0
+    assert float(conf.grad.abs().max()) > 0.0
