@@ -1,0 +1,82 @@
+"""Shared fixtures: the embedded target/draft, eval prompts, and a pool of SGLang servers.
+
+A server start costs about a minute on 2 cores, so servers are started lazily, keyed by their
+configuration, shared by every test in the session, and stopped at the end. At most two run
+at once (each idle one sleeps: `--sleep-on-idle`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL_DIR = Path(os.environ.get("DSPARK_EVAL_DIR", REPO.parent / "shared" / "eval"))
+
+
+def eval_prompts(name: str, limit: int | None = None) -> list[str]:
+    path = EVAL_DIR / f"{name}.jsonl"
+    lines = path.read_text().splitlines()
+    out = [json.loads(line)["turns"][0] for line in lines if line.strip()]
+    return out[:limit] if limit else out
+
+
+@pytest.fixture(scope="session")
+def embedded_paths():
+    from sglang_dspark import embedded
+
+    return embedded.ensure()
+
+
+class ServerPool:
+    """Lazily started SGLang servers, keyed by (dtype, speculative, extra args, env)."""
+
+    def __init__(self, log_dir: Path, max_live: int = 2):
+        self.log_dir = log_dir
+        self.max_live = max_live
+        self.live: OrderedDict[tuple, object] = OrderedDict()
+
+    def get(self, paths, *, dtype="bfloat16", speculative=True, extra=(), env=None, draft=None):
+        from dataclasses import replace
+
+        from sglang_dspark import embedded
+        from sglang_dspark.server import SGLangServer, free_port
+
+        env = dict(env or {})
+        key = (dtype, speculative, tuple(extra), tuple(sorted(env.items())), str(draft))
+        if key in self.live:
+            self.live.move_to_end(key)
+            return self.live[key]
+        while len(self.live) >= self.max_live:
+            _, old = self.live.popitem(last=False)
+            old.stop()
+        if draft is not None:
+            paths = replace(paths, draft=Path(draft))
+        port = free_port()
+        server = SGLangServer(
+            cmd=embedded.launch_command(
+                paths, port=port, dtype=dtype, speculative=speculative, extra=list(extra)
+            ),
+            env={**embedded.launch_env(), **env},
+            port=port,
+            log_path=self.log_dir / f"server-{port}.log",
+        )
+        server.start()
+        self.live[key] = server
+        return server
+
+    def stop_all(self):
+        for server in self.live.values():
+            server.stop()
+        self.live.clear()
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory):
+    pool = ServerPool(tmp_path_factory.mktemp("server-logs"))
+    yield pool
+    pool.stop_all()

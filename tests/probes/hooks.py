@@ -1,0 +1,213 @@
+"""Run each plugin hook's probe in this process and print one JSON line per probe.
+
+    SGLANG_PLUGINS=none python tests/probes/hooks.py        # unmodified SGLang (+ patch 0001)
+    python tests/probes/hooks.py                            # with the sglang-dspark plugin
+
+Each probe exercises exactly the SGLang code path its hook changes, on CPU tensors, and
+reports {"probe": name, "ok": bool, "error": "..."}; tests/test_plugin.py runs both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from types import SimpleNamespace
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+import torch  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()
+
+PROBES = {}
+
+
+def probe(fn):
+    PROBES[fn.__name__] = fn
+    return fn
+
+
+@probe
+def cpu_sgl_kernel_ops():
+    from sglang.kernels.ops.kvcache.cache_move import copy_all_layer_kv_cache_func
+    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+    from sglang.kernels.ops.speculative.eagle import (
+        fill_accept_out_cache_loc_func,
+        fill_bonus_tokens_func,
+    )
+    from sglang.srt.mem_cache.allocation import assign_req_to_token_pool_func
+
+    req_to_token = torch.zeros(4, 16, dtype=torch.int32)
+    rpi = torch.tensor([2, 0])
+    start, end = torch.tensor([3, 0]), torch.tensor([6, 2])
+    locs = torch.tensor([10, 11, 12, 20, 21], dtype=torch.int64)
+    assign_req_to_token_pool_func(rpi, req_to_token, start, end, locs, 2)
+    assert req_to_token[2, 3:6].tolist() == [10, 11, 12] and req_to_token[0, :2].tolist() == [20, 21]
+    out = assign_extend_cache_locs_func(
+        req_pool_indices=rpi, req_to_token=req_to_token, start_offset=start, end_offset=end,
+        batch_size=2, draft_token_num=3, device="cpu",
+    )  # fmt: skip
+    assert out[:5].tolist() == [10, 11, 12, 20, 21]
+
+    accept_tokens = torch.tensor([[5, 6, 7], [8, 9, 1]])
+    bonus = torch.zeros(2, dtype=torch.int64)
+    fill_bonus_tokens_func(accept_tokens, torch.tensor([2, 3]), bonus, 3, 2)
+    assert bonus.tolist() == [6, 1]
+    acc_out = torch.full((4,), -1, dtype=torch.int64)
+    fill_accept_out_cache_loc_func(
+        torch.tensor([0, -1, 2, 3]), torch.tensor([40, 41, 42, 43]), acc_out, 4
+    )
+    assert acc_out[:3].tolist() == [40, 42, 43]
+
+    layers = [torch.arange(32, dtype=torch.float32).view(8, 4).clone() for _ in range(2)]
+    ptrs = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64)
+    strides = torch.tensor([t.stride(0) * t.element_size() for t in layers], dtype=torch.int64)
+    copy_all_layer_kv_cache_func(
+        ptrs, strides, torch.tensor([6, 7]), torch.tensor([1, 2]), 2, 2, {}
+    )
+    for t in layers:
+        assert t[6].tolist() == [4, 5, 6, 7] and t[7].tolist() == [8, 9, 10, 11]
+
+
+@probe
+def dspark_cpu_device_gate():
+    _resolve(os.environ["PROBE_DRAFT"])
+
+
+@probe
+def torch_native_draft_backend():
+    from sglang.srt.speculative import draft_worker_common
+
+    assert "torch_native" in draft_worker_common.DRAFT_ATTENTION_BACKEND_CHOICES, (
+        "torch_native is not an allowed DSPARK draft backend; the draft worker falls back to "
+        "flashinfer"
+    )
+
+
+@probe
+def dspark_draft_validation():
+    # a draft whose last target layer cannot be captured must be refused at resolution
+    try:
+        _resolve(os.environ["PROBE_BAD_DRAFT"])
+    except ValueError as exc:
+        if "target_layer_id" in str(exc):
+            return
+        raise
+    raise AssertionError("a draft with an uncapturable target layer was accepted")
+
+
+@probe
+def cpu_record_stream_noop():
+    torch.zeros(2).record_stream(torch.cpu.current_stream())
+
+
+@probe
+def torch_native_target_verify():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, ctx, win = 4, 2, 8, 5, 3
+    k_cache = torch.randn(32, kv_heads, dim)
+    v_cache = torch.randn(32, kv_heads, dim)
+    pool = SimpleNamespace(
+        set_kv_buffer=lambda layer, loc, k, v: (
+            k_cache.index_copy_(0, loc.loc, k.view(-1, kv_heads, dim)),
+            v_cache.index_copy_(0, loc.loc, v.view(-1, kv_heads, dim)),
+        ),
+        get_key_buffer=lambda i: k_cache,
+        get_value_buffer=lambda i: v_cache,
+    )
+    req_to_token = torch.zeros(2, 16, dtype=torch.int64)
+    req_to_token[0, :ctx] = torch.arange(ctx)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    backend.req_to_token_pool = SimpleNamespace(req_to_token=req_to_token)
+    backend.token_to_kv_pool = pool
+    backend.swa_out_cache_loc = None
+    out_loc = torch.arange(ctx, ctx + win)
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=1, req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([ctx]), out_cache_loc=out_loc, extend_prefix_lens=None,
+        extend_seq_lens=None, encoder_lens=None, extend_seq_lens_cpu=None,
+    )  # fmt: skip
+    q, k, v = torch.randn(win, heads * dim), torch.randn(win, kv_heads * dim), torch.randn(win, kv_heads * dim)
+    for attn_type, causal in [(AttentionType.DECODER, True), (AttentionType.ENCODER_ONLY, False)]:
+        layer = SimpleNamespace(
+            tp_q_head_num=heads, tp_k_head_num=kv_heads, tp_v_head_num=kv_heads, qk_head_dim=dim,
+            v_head_dim=dim, layer_id=0, is_cross_attention=False, attn_type=attn_type,
+            scaling=dim**-0.5, sliding_window_size=None, logit_cap=0, k_scale=None, v_scale=None,
+        )  # fmt: skip
+        out = backend.forward_extend(q, k, v, layer, batch).view(win, heads, dim)
+        # reference: context + window keys, grouped-query heads, causal or full inside the window
+        keys = torch.cat([k_cache[:ctx], k.view(win, kv_heads, dim)]).repeat_interleave(2, 1)
+        vals = torch.cat([v_cache[:ctx], v.view(win, kv_heads, dim)]).repeat_interleave(2, 1)
+        scores = torch.einsum("qhd,khd->hqk", q.view(win, heads, dim), keys) * dim**-0.5
+        if causal:
+            mask = torch.ones(win, ctx + win, dtype=torch.bool)
+            mask[:, ctx:] = torch.ones(win, win, dtype=torch.bool).tril()
+            scores = scores.masked_fill(~mask, float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@probe
+def cpu_bf16_draft_kernels():
+    from sglang.srt.models import dspark
+    from sglang.srt.runtime_context import get_context
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(os.environ["PROBE_DRAFT"])
+    with get_context().override_server_args(device="cpu"):
+        model = dspark.Qwen3DSparkModel(cfg).to(torch.bfloat16)
+    triton_rope = [layer.self_attn.use_table_qk_norm_rope for layer in model.layers]
+    assert not any(triton_rope), "bf16 q/k norm + rope would run table_qk_norm_rope_ (Triton)"
+    assert model._fused_kv_write_bundle(None) is None, (
+        "bf16 context KV write would run fused_kv_norm_rope_write (Triton)"
+    )
+
+
+@probe
+def cpu_rejection_sampler():
+    from sglang.kernels.ops.speculative.dspark import dspark_accept
+
+    bs, n, vocab = 2, 4, 6
+    predicts = torch.full((bs * n,), -1, dtype=torch.int32)
+    accept_index = torch.full((bs, n), -1, dtype=torch.int32)
+    accept_num = torch.zeros(bs, dtype=torch.int32)
+    target = torch.softmax(torch.randn(bs, n, vocab), -1)
+    dspark_accept.chain_speculative_sampling_triton(
+        predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
+        candidates=torch.randint(0, vocab, (bs, n)), retrive_index=torch.arange(bs * n).view(bs, n),
+        retrive_next_token=None, retrive_next_sibling=None,
+        uniform_samples=torch.rand(bs, n - 1), uniform_samples_for_final_sampling=torch.rand(bs),
+        target_probs=target, draft_probs=torch.softmax(torch.randn(bs, n - 1, vocab), -1),
+        threshold_single=1.0, threshold_acc=1.0, deterministic=True,
+    )  # fmt: skip
+    assert (accept_num >= 0).all() and (accept_index[:, 0] == torch.tensor([0, n])).all()
+
+
+def _resolve(draft: str):
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args([
+        "--model-path", os.environ["PROBE_TARGET"], "--device", "cpu",
+        "--attention-backend", "torch_native", "--speculative-algorithm", "DSPARK",
+        "--speculative-draft-model-path", draft,
+    ])  # fmt: skip
+    args.resolve_once()
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(PROBES)
+    for name in names:
+        try:
+            PROBES[name]()
+            result = {"probe": name, "ok": True, "error": ""}
+        except Exception as exc:  # report, do not stop: every probe is run
+            result = {"probe": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                      "trace": traceback.format_exc(limit=3)}  # fmt: skip
+        print("PROBE " + json.dumps(result), flush=True)

@@ -1,0 +1,103 @@
+"""Every plugin hook: the failure on an unmodified SGLang, and the fix with the plugin.
+
+`tests/probes/hooks.py` runs one probe per hook on the exact SGLang code path the hook
+changes. It runs twice: with `SGLANG_PLUGINS=none` (SGLang loads no plugin: upstream
+behaviour, plus patch 0001 so that the modules import at all) and with our plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_dspark.plugin import _hooks
+
+PROBE = Path(__file__).parent / "probes" / "hooks.py"
+
+# What each hook's probe shows on an unmodified SGLang.
+UPSTREAM_FAILURE = {
+    "cpu_sgl_kernel_ops": "sgl_kernel op assign_req_to_token_pool_cpu is unavailable",
+    "dspark_cpu_device_gate": "only supports CUDA, NPU or XPU",
+    "torch_native_draft_backend": "torch_native is not an allowed DSPARK draft backend",
+    "dspark_draft_validation": "only supports CUDA, NPU or XPU",  # never reaches a check
+    "cpu_record_stream_noop": "unknown parameter type",
+    "torch_native_target_verify": "'NoneType' object has no attribute 'shape'",
+    "cpu_bf16_draft_kernels": "table_qk_norm_rope_ (Triton)",
+    "cpu_rejection_sampler": "0 active drivers",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_draft(embedded_paths, tmp_path_factory):
+    cfg = json.loads((embedded_paths.draft / "config.json").read_text())
+    cfg["target_layer_ids"] = cfg["target_layer_ids"][:-1] + [29]  # the target's last layer
+    out = tmp_path_factory.mktemp("bad-draft")
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _run_probes(embedded_paths, bad_draft, plugins: bool) -> dict[str, dict]:
+    env = dict(os.environ)
+    env.update(
+        PROBE_TARGET=str(embedded_paths.target),
+        PROBE_DRAFT=str(embedded_paths.draft),
+        PROBE_BAD_DRAFT=str(bad_draft),
+        SGLANG_USE_CPU_ENGINE="1",
+    )
+    if not plugins:
+        env["SGLANG_PLUGINS"] = "none"
+    proc = subprocess.run(
+        [sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=900
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PROBE "):
+            r = json.loads(line[6:])
+            results[r["probe"]] = r
+    assert results, f"probe script failed:\n{proc.stderr[-3000:]}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def upstream(embedded_paths, bad_draft):
+    return _run_probes(embedded_paths, bad_draft, plugins=False)
+
+
+@pytest.fixture(scope="module")
+def plugged(embedded_paths, bad_draft):
+    return _run_probes(embedded_paths, bad_draft, plugins=True)
+
+
+def test_every_hook_has_a_probe():
+    assert set(_hooks()) == set(UPSTREAM_FAILURE)
+
+
+@pytest.mark.parametrize("hook", sorted(UPSTREAM_FAILURE))
+def test_hook_fixes_upstream_failure(hook, upstream, plugged):
+    assert not upstream[hook]["ok"], f"{hook}: unmodified SGLang did not fail"
+    assert UPSTREAM_FAILURE[hook] in upstream[hook]["error"]
+    assert plugged[hook]["ok"], f"{hook} with the plugin: {plugged[hook]['error']}"
+
+
+def test_unpatched_sgl_kernel_import_fails():
+    """Why patch 0001 exists: SGLang's CPU modules import these at module level."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "from sgl_kernel import copy_all_layer_kv_cache_cpu"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "ImportError" in proc.stderr
+
+
+def test_disable_hooks_env_turns_one_hook_off(embedded_paths, bad_draft):
+    env = dict(os.environ, SGLANG_DSPARK_DISABLE_HOOKS="cpu_record_stream_noop")
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), "cpu_record_stream_noop"], env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("PROBE "))
+    assert json.loads(line[6:])["ok"] is False

@@ -1,0 +1,109 @@
+"""The embedded default served by a real SGLang 0.5.23 on CPU, with and without DSPARK."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+from conftest import eval_prompts
+
+from sglang_dspark.client import chat_prompt_ids, generate_many
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+PROMPTS = eval_prompts("gsm8k", 7) + eval_prompts("humaneval", 7) + eval_prompts("mt-bench", 6)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_paths):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_paths.target)
+
+
+def _greedy(server, prompt_ids, max_new_tokens=40):
+    out = generate_many(
+        server.base_url, prompt_ids, concurrency=4, max_new_tokens=max_new_tokens, temperature=0
+    )
+    return [o["output_ids"] for o in out], [o["meta_info"] for o in out]
+
+
+def test_greedy_dspark_equals_plain_token_for_token(servers, embedded_paths, tokenizer):
+    """20 eval prompts: DSPARK greedy output == the same server's greedy output without it.
+
+    float32, so that a verify window and a single decode step compute the same logits; in
+    bf16 the two matmul shapes round differently and near-ties may flip (see README).
+    """
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in PROMPTS]
+    assert len(prompt_ids) == 20
+    plain, _ = _greedy(servers.get(embedded_paths, dtype="float32", speculative=False), prompt_ids)
+    spec, meta = _greedy(servers.get(embedded_paths, dtype="float32"), prompt_ids)
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert a == b, f"prompt {i}: DSPARK diverged at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y) if any(x != y for x, y in zip(a, b)) else min(len(a), len(b))}"
+    # speculation really ran: every request went through DSPARK verify rounds
+    assert all(m.get("spec_verify_ct", 0) > 0 for m in meta)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dspark_serves_in_half_precision(servers, embedded_paths, tokenizer, dtype):
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
+    plain, _ = _greedy(servers.get(embedded_paths, dtype=dtype, speculative=False), prompt_ids, 24)
+    spec, meta = _greedy(servers.get(embedded_paths, dtype=dtype), prompt_ids, 24)
+    assert all(m["spec_verify_ct"] > 0 for m in meta)
+    # Same model, same dtype: the first tokens agree (later near-ties may round differently).
+    for a, b in zip(plain, spec):
+        assert a[:4] == b[:4]
+    texts = [tokenizer.decode(ids) for ids in spec]
+    assert all(t.strip() for t in texts)
+
+
+def test_openai_endpoints_stream_and_not(servers, embedded_paths):
+    server = servers.get(embedded_paths)
+    chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12,
+            "temperature": 0, "model": "default"}  # fmt: skip
+    r = requests.post(server.base_url + "/v1/chat/completions", json=chat, timeout=300)
+    r.raise_for_status()
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content.strip()
+
+    r = requests.post(
+        server.base_url + "/v1/chat/completions", json={**chat, "stream": True}, stream=True,
+        timeout=300,
+    )  # fmt: skip
+    pieces = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            delta = json.loads(line[6:])["choices"][0]["delta"]
+            pieces.append(delta.get("content") or "")
+    assert "".join(pieces) == content
+
+    comp = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "model": "default"}
+    r = requests.post(server.base_url + "/v1/completions", json=comp, timeout=300)
+    r.raise_for_status()
+    text = r.json()["choices"][0]["text"]
+    r = requests.post(
+        server.base_url + "/v1/completions", json={**comp, "stream": True}, stream=True,
+        timeout=300,
+    )  # fmt: skip
+    streamed = "".join(
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in r.iter_lines()
+        if line.startswith(b"data: ") and line != b"data: [DONE]"
+    )
+    assert streamed == text and text.strip()
+
+
+def test_server_info_reports_dspark(servers, embedded_paths):
+    server = servers.get(embedded_paths)
+    info = requests.get(server.base_url + "/server_info", timeout=30).json()
+    assert info["speculative_algorithm"] == "DSPARK"
+    assert info["device"] == "cpu"
+
+
+def test_embedded_server_memory_under_4gb(servers, embedded_paths, tokenizer):
+    server = servers.get(embedded_paths)
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in PROMPTS[:8]]
+    generate_many(server.base_url, prompt_ids, concurrency=8, max_new_tokens=32)
+    pss = server.memory_pss_mb()
+    assert 500 < pss < 4096, f"embedded server uses {pss:.0f} MB (PSS over its processes)"
