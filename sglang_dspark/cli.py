@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_embedded)
 
     for name, module, add, run, text in [
+        ("demo", "sglang_dspark.demo", "add_arguments", "run",
+         "start the embedded DSPARK server, send one request, stop it"),
         ("make-draft", "sglang_dspark.drafter.checkpoint", "add_make_draft_arguments",
          "run_make_draft", "write a randomly initialised SGLang DSpark draft for a target"),
         ("export", "sglang_dspark.drafter.checkpoint", "add_export_arguments", "run_export",

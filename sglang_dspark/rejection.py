@@ -90,12 +90,14 @@ def chain_speculative_sampling_torch(
     deterministic,
     *,
     block_verification: bool = False,
+    accept_all: bool = False,
 ):
     """Drop-in for SGLang's `chain_speculative_sampling_triton` (same buffers, same coins).
 
     candidates [bs, n] hold [anchor, draft_1..draft_{n-1}]; retrive_index [bs, n] the global
     slot of each; on return predicts[slot j] is the token that follows slot j on the accepted
     path, accept_index[:, :k+1] the accepted slots and accept_token_num the k accepted drafts.
+    `accept_all` breaks losslessness on purpose so that tests can show their test catches it.
     """
     if block_verification:
         raise NotImplementedError("block verification has no CPU implementation")
@@ -105,6 +107,8 @@ def chain_speculative_sampling_torch(
     drafts = candidates[:, 1:]
     g = n_slots - 1
     n = accept_lengths(drafts, target_probs, draft_probs, uniform_samples[:, :g].float())
+    if accept_all:  # deliberately broken (tests only): keeps every draft, not lossless
+        n = torch.full_like(n, g)
     final = _final_token(n, target_probs, draft_probs, uniform_samples_for_final_sampling.float())
 
     slots = retrive_index[:bs, :n_slots].long()

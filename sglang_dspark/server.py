@@ -17,6 +17,15 @@ from pathlib import Path
 import requests
 
 
+def _detach_and_die_with_parent() -> None:
+    """In the child: own process group, and SIGTERM if the parent (test run, script) dies."""
+    import ctypes
+
+    os.setsid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message has its log tail."""
 
@@ -43,7 +52,11 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.cmd,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_detach_and_die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

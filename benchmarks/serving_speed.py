@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Tokens/s of the embedded server with and without DSPARK, measured side by side.
+
+    python benchmarks/serving_speed.py [--concurrency 1,4] [--requests 8] [--max-new-tokens 128]
+
+Starts the plain server and the DSPARK server on 127.0.0.1 (one at a time, same machine, same
+prompts from ../shared/eval), runs each concurrency level, and prints tokens/s, DSPARK's accept
+length, and the ratio DSPARK / plain. Greedy decoding. Stops both servers. Prints JSON too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_prompts(eval_dir: Path, n: int) -> list[str]:
+    prompts = []
+    for name in ("gsm8k", "humaneval", "mt-bench"):
+        lines = (eval_dir / f"{name}.jsonl").read_text().splitlines()
+        prompts += [json.loads(x)["turns"][0] for x in lines[: n // 3 + 1]]
+    return prompts[:n]
+
+
+def measure(server, prompt_ids, concurrency: int, max_new_tokens: int) -> dict:
+    from sglang_dspark.client import generate_many
+
+    t0 = time.perf_counter()
+    outs = generate_many(
+        server.base_url, prompt_ids, concurrency=concurrency, max_new_tokens=max_new_tokens,
+        temperature=0, ignore_eos=True,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    return {
+        "concurrency": concurrency,
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "accept_len": (tokens / verify) if verify else None,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "eval")
+    parser.add_argument("--draft", type=Path, default=None, help="override the embedded draft")
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    args = parser.parse_args(argv)
+
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from sglang_dspark import embedded
+    from sglang_dspark.client import chat_prompt_ids, generate_many
+    from sglang_dspark.server import SGLangServer, free_port
+
+    paths = embedded.ensure(dtype=args.dtype)
+    if args.draft:
+        paths = replace(paths, draft=args.draft)
+    tok = AutoTokenizer.from_pretrained(paths.target)
+    prompt_ids = [chat_prompt_ids(tok, p) for p in load_prompts(args.eval_dir, args.requests)]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    results = {}
+    for label, spec in (("plain", False), ("dspark", True)):
+        port = free_port()
+        log = Path(tempfile.gettempdir()) / f"bench-{label}-{port}.log"
+        cmd = embedded.launch_command(paths, port=port, dtype=args.dtype, speculative=spec)
+        with SGLangServer(cmd, embedded.launch_env(), port, log) as server:
+            generate_many(server.base_url, prompt_ids[:2], max_new_tokens=8)  # warm-up
+            results[label] = [
+                measure(server, prompt_ids, c, args.max_new_tokens) for c in levels
+            ]
+    print(f"\nembedded server, {args.dtype}, draft: {paths.draft}")
+    print(f"{'conc':>4} {'plain tok/s':>12} {'dspark tok/s':>13} {'accept len':>10} {'ratio':>6}")
+    for p, d in zip(results["plain"], results["dspark"]):
+        ratio = d["tokens_per_s"] / p["tokens_per_s"]
+        d["ratio_vs_plain"] = ratio
+        print(
+            f"{p['concurrency']:>4} {p['tokens_per_s']:>12.2f} {d['tokens_per_s']:>13.2f} "
+            f"{d['accept_len'] or 0:>10.2f} {ratio:>6.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"eval_dir": str(args.eval_dir),
+                             "draft": str(paths.draft), "json": str(args.json)},
+                             "results": results}, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
