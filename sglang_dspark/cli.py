@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
          "export a trained / DeepSpec drafter as an SGLang checkpoint"),
         ("train", "sglang_dspark.drafter.train", "add_arguments", "run",
          "train a DSpark drafter against a frozen target"),
+        ("data", "sglang_dspark.data.cli", "add_arguments", "run",
+         "build training prompts and target-regenerated responses"),
     ]:
         p = sub.add_parser(name, help=text)
         add_fn, run_fn = _lazy(module, add, run)
