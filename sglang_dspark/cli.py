@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
          "export a trained / DeepSpec drafter as an SGLang checkpoint"),
         ("train", "sglang_dspark.drafter.train", "add_arguments", "run",
          "train a DSpark drafter against a frozen target"),
+        ("evaluate", "sglang_dspark.evaluation", "add_arguments", "run",
+         "offline evaluator: tau, position-wise acceptance, threshold sweep"),
         ("data", "sglang_dspark.data.cli", "add_arguments", "run",
          "build training prompts and target-regenerated responses"),
     ]:

@@ -222,12 +222,12 @@ def test_temperature_one_matches_target_distribution(v8_dir):
             acc += [r.accepted for r in out.rounds]
         return np.array(toks), acc
 
-    toks, acc = draw(1200)
+    toks, acc = draw(700)
     assert 0.1 < np.mean(acc) / GAMMA < 0.9  # both accept and reject paths are exercised
     for j in range(2):
         assert chi2_pvalue(toks[:, j], probs[j]) > 1e-3
 
-    bad, _ = draw(300, verify=accept_all)
+    bad, _ = draw(200, verify=accept_all)
     assert min(chi2_pvalue(bad[:, j], probs[j]) for j in range(2)) < 1e-3
 
 
