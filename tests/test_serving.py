@@ -59,7 +59,9 @@ def test_dspark_serves_in_half_precision(servers, embedded_paths, tokenizer, dty
 
 
 def test_openai_endpoints_stream_and_not(servers, embedded_paths):
-    server = servers.get(embedded_paths)
+    # float32: a cached prefix and a fresh prefill then give the same greedy tokens, so the
+    # streamed and the non-streamed answers can be compared exactly
+    server = servers.get(embedded_paths, dtype="float32")
     chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12,
             "temperature": 0, "model": "default"}  # fmt: skip
     r = requests.post(server.base_url + "/v1/chat/completions", json=chat, timeout=300)
