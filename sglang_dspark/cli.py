@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
          "train a DSpark drafter against a frozen target"),
         ("evaluate", "sglang_dspark.evaluation", "add_arguments", "run",
          "offline evaluator: tau, position-wise acceptance, threshold sweep"),
+        ("audit", "sglang_dspark.audit", "add_arguments", "run",
+         "check that a running DSPARK server is lossless (exit code 0 / 1)"),
         ("calibrate", "sglang_dspark.calibration", "add_arguments", "run",
          "fit STS temperatures (SGLang DSparkStsCalibration JSON)"),
         ("data", "sglang_dspark.data.cli", "add_arguments", "run",

@@ -1,7 +1,7 @@
 """Shared fixtures: the embedded target/draft, eval prompts, and a pool of SGLang servers.
 
 A server start costs about a minute on 2 cores, so servers are started lazily, keyed by their
-configuration, shared by every test in the session, and stopped at the end. At most two run
+configuration, shared by every test in the session, and stopped at the end. At most three run
 at once (each idle one sleeps: `--sleep-on-idle`).
 """
 
@@ -35,7 +35,7 @@ def embedded_paths():
 class ServerPool:
     """Lazily started SGLang servers, keyed by (dtype, speculative, extra args, env)."""
 
-    def __init__(self, log_dir: Path, max_live: int = 2):
+    def __init__(self, log_dir: Path, max_live: int = 3):
         self.log_dir = log_dir
         self.max_live = max_live
         self.live: OrderedDict[tuple, object] = OrderedDict()

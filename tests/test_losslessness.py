@@ -85,3 +85,21 @@ def test_broken_sampler_fails_the_same_test(servers, embedded_paths, prompt_ids,
     assert correct == proposed  # every draft kept
     report = compare_samples(samples, reference, POSITIONS, alpha=0.01)
     assert not report.passed, report.summary()
+
+
+def test_audit_command_passes_on_dspark_and_fails_on_broken_sampler(servers, embedded_paths):
+    """`sglang-dspark audit` against the same servers: exit 0, then exit 1 for the broken one."""
+    import subprocess
+    import sys
+
+    reference = servers.get(embedded_paths, speculative=False)
+    good = servers.get(embedded_paths)
+    cmd = [sys.executable, "-m", "sglang_dspark.cli", "audit", "--reference-url",
+           reference.base_url, "--samples", "160"]  # fmt: skip
+    ok = subprocess.run(cmd + ["--url", good.base_url], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "LOSSLESS" in ok.stdout
+    broken = servers.get(embedded_paths, env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all"})
+    bad = subprocess.run(cmd + ["--url", broken.base_url], capture_output=True, text=True)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "NOT LOSSLESS" in bad.stdout

@@ -45,19 +45,6 @@ def test_greedy_dspark_equals_plain_token_for_token(servers, embedded_paths, tok
     assert all(m.get("spec_verify_ct", 0) > 0 for m in meta)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_dspark_serves_in_half_precision(servers, embedded_paths, tokenizer, dtype):
-    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
-    plain, _ = _greedy(servers.get(embedded_paths, dtype=dtype, speculative=False), prompt_ids, 24)
-    spec, meta = _greedy(servers.get(embedded_paths, dtype=dtype), prompt_ids, 24)
-    assert all(m["spec_verify_ct"] > 0 for m in meta)
-    # Same model, same dtype: the first tokens agree (later near-ties may round differently).
-    for a, b in zip(plain, spec):
-        assert a[:4] == b[:4]
-    texts = [tokenizer.decode(ids) for ids in spec]
-    assert all(t.strip() for t in texts)
-
-
 def test_openai_endpoints_stream_and_not(servers, embedded_paths):
     # float32: a cached prefix and a fresh prefill then give the same greedy tokens, so the
     # streamed and the non-streamed answers can be compared exactly
@@ -94,6 +81,19 @@ def test_openai_endpoints_stream_and_not(servers, embedded_paths):
         if line.startswith(b"data: ") and line != b"data: [DONE]"
     )
     assert streamed == text and text.strip()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dspark_serves_in_half_precision(servers, embedded_paths, tokenizer, dtype):
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
+    plain, _ = _greedy(servers.get(embedded_paths, dtype=dtype, speculative=False), prompt_ids, 24)
+    spec, meta = _greedy(servers.get(embedded_paths, dtype=dtype), prompt_ids, 24)
+    assert all(m["spec_verify_ct"] > 0 for m in meta)
+    # Same model, same dtype: the first tokens agree (later near-ties may round differently).
+    for a, b in zip(plain, spec):
+        assert a[:4] == b[:4]
+    texts = [tokenizer.decode(ids) for ids in spec]
+    assert all(t.strip() for t in texts)
 
 
 def test_server_info_reports_dspark(servers, embedded_paths):
