@@ -55,7 +55,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "eval")
-    parser.add_argument("--draft", type=Path, default=None, help="override the embedded draft")
+    parser.add_argument(
+        "--draft", type=Path, action="append", default=None,
+        help="draft dir to compare (repeatable; default: the embedded draft)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args(argv)
 
@@ -68,34 +71,36 @@ def main(argv=None) -> int:
     from sglang_dspark.server import SGLangServer, free_port
 
     paths = embedded.ensure(dtype=args.dtype)
-    if args.draft:
-        paths = replace(paths, draft=args.draft)
+    drafts = args.draft or [paths.draft]
     tok = AutoTokenizer.from_pretrained(paths.target)
     prompt_ids = [chat_prompt_ids(tok, p) for p in load_prompts(args.eval_dir, args.requests)]
     levels = [int(x) for x in args.concurrency.split(",")]
     results = {}
-    for label, spec in (("plain", False), ("dspark", True)):
+    runs = [("plain", False, paths)] + [
+        (f"dspark:{d}", True, replace(paths, draft=d)) for d in drafts
+    ]
+    for label, spec, run_paths in runs:
         port = free_port()
-        log = Path(tempfile.gettempdir()) / f"bench-{label}-{port}.log"
-        cmd = embedded.launch_command(paths, port=port, dtype=args.dtype, speculative=spec)
+        log = Path(tempfile.gettempdir()) / f"bench-{port}.log"
+        cmd = embedded.launch_command(run_paths, port=port, dtype=args.dtype, speculative=spec)
         with SGLangServer(cmd, embedded.launch_env(), port, log) as server:
             generate_many(server.base_url, prompt_ids[:2], max_new_tokens=8)  # warm-up
             results[label] = [
                 measure(server, prompt_ids, c, args.max_new_tokens) for c in levels
             ]
-    print(f"\nembedded server, {args.dtype}, draft: {paths.draft}")
-    print(f"{'conc':>4} {'plain tok/s':>12} {'dspark tok/s':>13} {'accept len':>10} {'ratio':>6}")
-    for p, d in zip(results["plain"], results["dspark"]):
-        ratio = d["tokens_per_s"] / p["tokens_per_s"]
-        d["ratio_vs_plain"] = ratio
-        print(
-            f"{p['concurrency']:>4} {p['tokens_per_s']:>12.2f} {d['tokens_per_s']:>13.2f} "
-            f"{d['accept_len'] or 0:>10.2f} {ratio:>6.2f}"
-        )
+    print(f"\nembedded server, {args.dtype}, {len(prompt_ids)} requests x {args.max_new_tokens} tokens")
+    print(f"{'draft':<48} {'conc':>4} {'plain tok/s':>12} {'dspark tok/s':>13} {'accept':>7} {'ratio':>6}")
+    for label, rows in results.items():
+        if label == "plain":
+            continue
+        for p, d in zip(results["plain"], rows):
+            d["ratio_vs_plain"] = d["tokens_per_s"] / p["tokens_per_s"]
+            print(
+                f"{label[7:][-48:]:<48} {p['concurrency']:>4} {p['tokens_per_s']:>12.2f} "
+                f"{d['tokens_per_s']:>13.2f} {d['accept_len'] or 0:>7.2f} {d['ratio_vs_plain']:>6.2f}"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"eval_dir": str(args.eval_dir),
-                             "draft": str(paths.draft), "json": str(args.json)},
-                             "results": results}, indent=2))  # fmt: skip
+        args.json.write_text(json.dumps({"results": results}, indent=2))
     return 0
 
 
