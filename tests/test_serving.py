@@ -45,10 +45,11 @@ def test_greedy_dspark_equals_plain_token_for_token(servers, embedded_paths, tok
     assert all(m.get("spec_verify_ct", 0) > 0 for m in meta)
 
 
-def test_openai_endpoints_stream_and_not(servers, embedded_paths):
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dspark"])
+def test_openai_endpoints_stream_and_not(servers, embedded_paths, speculative):
     # float32: a cached prefix and a fresh prefill then give the same greedy tokens, so the
     # streamed and the non-streamed answers can be compared exactly
-    server = servers.get(embedded_paths, dtype="float32")
+    server = servers.get(embedded_paths, dtype="float32", speculative=speculative)
     chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12,
             "temperature": 0, "model": "default"}  # fmt: skip
     r = requests.post(server.base_url + "/v1/chat/completions", json=chat, timeout=300)
