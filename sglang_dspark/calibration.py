@@ -297,7 +297,6 @@ def expected_calibration_error(
     if p.numel() == 0:
         return float("nan")
     b = (p * num_bins).long().clamp_(0, num_bins - 1)
-    count = torch.zeros(num_bins, dtype=torch.float64).scatter_add_(0, b, torch.ones_like(p))
     p_sum = torch.zeros(num_bins, dtype=torch.float64).scatter_add_(0, b, p)
     y_sum = torch.zeros(num_bins, dtype=torch.float64).scatter_add_(0, b, y)
     return float((p_sum - y_sum).abs().sum() / p.numel())
