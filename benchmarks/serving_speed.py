@@ -21,10 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_prompts(eval_dir: Path, n: int) -> list[str]:
+    from sglang_dspark.evaluation.benchmarks import DEFAULT_BENCHMARKS
+    from sglang_dspark.evaluation.benchmarks import load_prompts as load_benchmark
+
     prompts = []
-    for name in ("gsm8k", "humaneval", "mt-bench"):
-        lines = (eval_dir / f"{name}.jsonl").read_text().splitlines()
-        prompts += [json.loads(x)["turns"][0] for x in lines[: n // 3 + 1]]
+    for name in DEFAULT_BENCHMARKS:
+        prompts += load_benchmark(eval_dir, name, n // 3 + 1)
     return prompts[:n]
 
 

@@ -8,10 +8,10 @@ import requests
 
 
 def chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": user_text}], add_generation_prompt=True, tokenize=True,
-        return_dict=False,
-    )  # fmt: skip
+    """One user turn through the target's chat template (the evaluator's encoding)."""
+    from sglang_dspark.evaluation.benchmarks import encode_chat
+
+    return encode_chat(tokenizer, user_text)
 
 
 def generate_ids(

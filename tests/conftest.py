@@ -7,22 +7,16 @@ at once (each idle one sleeps: `--sleep-on-idle`).
 
 from __future__ import annotations
 
-import json
-import os
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-EVAL_DIR = Path(os.environ.get("DSPARK_EVAL_DIR", REPO.parent / "shared" / "eval"))
-
 
 def eval_prompts(name: str, limit: int | None = None) -> list[str]:
-    path = EVAL_DIR / f"{name}.jsonl"
-    lines = path.read_text().splitlines()
-    out = [json.loads(line)["turns"][0] for line in lines if line.strip()]
-    return out[:limit] if limit else out
+    from sglang_dspark.evaluation.benchmarks import default_eval_dir, load_prompts
+
+    return load_prompts(default_eval_dir(), name, limit)
 
 
 @pytest.fixture(scope="session")

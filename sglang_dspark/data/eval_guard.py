@@ -19,17 +19,12 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from sglang_dspark.evaluation.benchmarks import default_eval_dir
+
 NGRAM = 8
 _WORD = re.compile(r"\w+")
 
 
-def default_eval_dir() -> Path:
-    """$DSPARK_EVAL_DIR, else ../shared/eval next to the repository root."""
-    env = os.environ.get("DSPARK_EVAL_DIR")
-    if env:
-        return Path(env)
-    repo_root = Path(__file__).resolve().parents[2]
-    return repo_root.parent / "shared" / "eval"
 
 
 def normalise(text: str) -> str:
