@@ -223,10 +223,12 @@ def save_sts_data(path: str | Path, logits, accepted, valid, verified=None) -> N
 def load_collector_shard(path: str | Path) -> StsData:
     """One shard of SGLang's collector (`SGLANG_DSPARK_STS_COLLECT_PATH`), as `StsData`.
 
-    The collector labels a block by its count of accepted drafts (greedy match against the
-    target's argmax), so every position up to the first rejection is valid. It does not record
-    the verify window: in compact mode unverified drafts look rejected (an SGLang fault), so
-    collect in a mode that verifies the whole block.
+    Upstream's collector labels a block by its count of accepted drafts (greedy match against
+    the target's argmax), so every position up to the first rejection is valid. It does not
+    record the verify window: in compact mode unverified drafts look rejected (an SGLang fault).
+    The plugin's recorder (`sglang_dspark.plugin.sts_collect`) writes the same dict plus
+    `verified` [n] (drafts in each block's verify window) and labels by the real verification
+    outcome; positions past the window are then left out.
     """
     shard = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(shard, dict) or not {"logits", "prefix_mask"} <= set(shard):
@@ -237,7 +239,11 @@ def load_collector_shard(path: str | Path) -> StsData:
     prefix = shard["prefix_mask"].bool()
     valid = torch.ones_like(prefix)
     valid[:, 1:] = prefix[:, :-1]
-    return StsData(shard["logits"].to(torch.float64), prefix, valid, source=str(path))
+    verified = shard.get("verified")
+    if verified is not None:
+        verified = verified.to(torch.int64)
+        valid &= torch.arange(prefix.shape[1])[None, :] < verified[:, None]
+    return StsData(shard["logits"].to(torch.float64), prefix, valid, verified, source=str(path))
 
 
 def load_sts_data(path: str | Path) -> StsData:

@@ -39,7 +39,8 @@ def _cmd_embedded(args: argparse.Namespace) -> int:
 
     paths = embedded.ensure(dtype=args.dtype)
     if args.print_command:
-        print(" ".join(embedded.launch_command(paths, port=args.port)))
+        env = " ".join(f"{k}={v}" for k, v in embedded.launch_env({}).items())
+        print(env + " " + " ".join(embedded.launch_command(paths, port=args.port)))
     else:
         print(f"target: {paths.target}\ndraft:  {paths.draft}")
     return 0

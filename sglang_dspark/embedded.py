@@ -21,6 +21,10 @@ MAX_TOTAL_TOKENS = 16384
 MAX_RUNNING_REQUESTS = 16
 
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+# Confidence-scheduled verification is on by default: Algorithm 1 (plugin.scheduling), with
+# SPS profiled at start-up and the drafter's STS calibration when it ships one.
+DEFAULT_SCHEDULER = "sync"
+STS_FILE = "sts.json"
 
 
 @dataclass(frozen=True)
@@ -76,10 +80,19 @@ def launch_command(
             "--speculative-algorithm", "DSPARK",
             "--speculative-draft-model-path", str(paths.draft),
         ]  # fmt: skip
+        sts = Path(paths.draft) / STS_FILE
+        if sts.is_file() and "--speculative-dspark-confidence-sts-path" not in (extra or []):
+            cmd += ["--speculative-dspark-confidence-sts-path", str(sts)]
     return cmd + list(extra or [])
 
 
-def launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def launch_env(base: dict[str, str] | None = None, *, scheduler: str | None = None) -> dict[str, str]:
+    """The CPU engine's environment; `SGLANG_DSPARK_SCHEDULER` defaults to sync (scheduling ON)
+    unless the caller's environment or `scheduler` says otherwise."""
     env = dict(os.environ if base is None else base)
     env.update(CPU_ENV)
+    if scheduler is not None:
+        env["SGLANG_DSPARK_SCHEDULER"] = scheduler
+    elif not env.get("SGLANG_RAGGED_VERIFY_MODE"):
+        env.setdefault("SGLANG_DSPARK_SCHEDULER", DEFAULT_SCHEDULER)
     return env

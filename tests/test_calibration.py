@@ -322,3 +322,36 @@ def test_cli_accepts_collector_glob_without_heldout(tmp_path):
     with pytest.raises(ValueError, match="gamma=2"):
         run(parser.parse_args(["--data", str(tmp_path / "c.*.pt"), "--out", str(out),
                                "--gamma", "3"]))
+
+
+def test_plugin_recorder_keeps_every_step_per_rank_and_the_verify_window(tmp_path):
+    """The plugin's recorder (dspark_sts_recorder): a rank-suffixed open shard rewritten on every
+    flush (a finished request), closed after flush_every steps; `verified` leaves positions past
+    a trimmed window out instead of counting them as rejections."""
+    from sglang_dspark.plugin.sts_collect import StsRecorder
+
+    rec = StsRecorder(str(tmp_path / "sts"), gamma=4, rank=1, flush_every=3)
+    steps = [  # (raw logits [bs, 4], accepted drafts [bs], drafts verified [bs])
+        (torch.zeros(2, 4), torch.tensor([4, 1]), torch.tensor([4, 4])),
+        (torch.ones(1, 4), torch.tensor([2]), torch.tensor([2])),  # all verified accepted
+        (torch.ones(1, 4), torch.tensor([0]), torch.tensor([3])),
+        (torch.zeros(1, 4), torch.tensor([1]), torch.tensor([1])),
+    ]
+    for i, step in enumerate(steps[:2]):
+        rec.record(*step)
+        rec.flush()  # a request finished: the open shard is complete on disk
+        assert torch.load(tmp_path / "sts.rank1.0.pt")["logits"].shape[0] == (2 if i == 0 else 3)
+    for step in steps[2:]:
+        rec.record(*step)  # the 3rd step closes shard 0; the 4th opens shard 1
+    rec.flush()
+    assert sorted(p.name for p in tmp_path.glob("sts.*")) == ["sts.rank1.0.pt", "sts.rank1.1.pt"]
+    data = load_data(str(tmp_path / "sts.rank1.*.pt"))
+    assert data.num_samples == 5
+    assert data.verified.tolist() == [4, 4, 2, 3, 1]
+    # row 2: drafts 1-2 accepted in a window of 2: positions 3-4 are unknown, not rejections
+    assert data.valid[2].tolist() == [True, True, False, False]
+    assert data.accepted[2, :2].tolist() == [True, True]
+    # row 3: draft 1 rejected in a window of 3: only position 1 is labelled
+    assert data.valid[3].tolist() == [True, False, False, False]
+    assert data.accepted[3, 0].item() is False
+    assert data.valid[0].tolist() == [True] * 4 and data.accepted[0].tolist() == [True] * 4

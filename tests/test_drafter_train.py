@@ -129,6 +129,22 @@ def test_training_lowers_the_loss(setup):
     assert 0.0 <= last.accept <= 1.0 and last.tokens > 0
 
 
+def test_feature_cache_runs_the_target_once_per_sequence_and_changes_nothing(setup):
+    """12 steps of 4 over 24 sequences = 2 epochs: the cached run calls the target 24 times
+    (not 48) and ends with exactly the weights of the uncached run."""
+    root, target = setup
+    runs = {}
+    for name, gb in (("cached", 1.0), ("uncached", 0.0)):
+        trainer = Trainer(_cfg(root, target, name, steps=12, checkpoint_every=100, feature_cache_gb=gb))
+        calls = []
+        original = trainer.target.features
+        trainer.target.features = lambda ids, *a, **k: calls.append(1) or original(ids, *a, **k)
+        runs[name] = (_weights(trainer.train().parent), len(calls))
+    (cached, n_cached), (uncached, n_uncached) = runs["cached"], runs["uncached"]
+    assert n_cached == 24 and n_uncached == 48
+    assert all(torch.equal(cached[k], uncached[k]) for k in cached)
+
+
 def test_resume_matches_uninterrupted_run(setup):
     """8 steps, checkpoint every 3; stop after 5 (step 4-5 lost), resume, finish."""
     root, target = setup

@@ -324,7 +324,7 @@ def test_every_dspark_knob_is_passed_as_set(tmp_path):
                 "algorithm": "DSPARK",
                 "dspark": {
                     "blockSize": 12,
-                    "raggedVerifyMode": "cap-accept",
+                    "raggedVerifyMode": "compact",
                     "scheduler": "async",
                     "alignVerifyTokensToGraphTier": True,
                 },
@@ -362,7 +362,7 @@ def test_every_dspark_knob_is_passed_as_set(tmp_path):
     assert args["--mem-fraction-static"] == ["0.83"]
     assert sglang["args"][-3:] == ["--log-level", "debug", "--enable-torch-compile"]
     env = env_of(sglang)
-    assert env["SGLANG_RAGGED_VERIFY_MODE"]["value"] == "cap-accept"
+    assert env["SGLANG_RAGGED_VERIFY_MODE"]["value"] == "compact"
     assert env["SGLANG_DSPARK_SCHEDULER"]["value"] == "async"
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4  # tp x dp
 
@@ -782,7 +782,8 @@ def test_schema_rejects_nonsense_with_a_readable_error(helm, tmp_path, values, p
     "values",
     [
         {"server": {"replicas": 0}},
-        {"speculative": {"dspark": {"blockSize": 1, "scheduler": "static"}}},
+        {"speculative": {"dspark": {"blockSize": 1, "scheduler": "static",
+                                    "raggedVerifyMode": "static"}}},
         {"speculative": {"dspark": {"blockSize": None}}},
         {"server": {"gpus": 2}},
         {"loadtest": {"users": "1,8,64"}},
@@ -791,6 +792,19 @@ def test_schema_rejects_nonsense_with_a_readable_error(helm, tmp_path, values, p
 def test_schema_accepts_sensible_edge_values(helm, tmp_path, values):
     result = template(values_file(tmp_path, values))
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "scheduler, ragged",
+    [("static", "compact"), ("sync", "static"), ("async", "cap-accept")],
+)
+def test_scheduler_and_verify_mode_that_the_plugin_refuses_fail_at_template_time(
+    helm, tmp_path, scheduler, ragged
+):
+    values = {"speculative": {"dspark": {"scheduler": scheduler, "raggedVerifyMode": ragged}}}
+    result = template(values_file(tmp_path, values))
+    assert result.returncode != 0
+    assert f"scheduler={scheduler} needs" in result.stderr, result.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -1099,7 +1113,7 @@ def test_notes_tell_how_to_reach_the_server_and_run_the_load_test(helm):
 
 def test_notes_warn_that_static_verify_ignores_the_scheduler(helm, tmp_path):
     overlay = values_file(
-        tmp_path, {"speculative": {"dspark": {"raggedVerifyMode": "static", "scheduler": "sync"}}}
+        tmp_path, {"speculative": {"dspark": {"raggedVerifyMode": "static", "scheduler": "static"}}}
     )
     result = subprocess.run(
         [helm, "install", RELEASE, str(CHART), "-n", NS, "--dry-run=client", "-f", str(overlay)],
@@ -1108,7 +1122,7 @@ def test_notes_warn_that_static_verify_ignores_the_scheduler(helm, tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert "SGLANG_RAGGED_VERIFY_MODE=static verifies all 8 block tokens" in result.stdout
+    assert "(SGLANG_RAGGED_VERIFY_MODE=static) verifies all 8 block tokens" in result.stdout
 
 
 def test_dockerfile_adds_sglang_dspark_to_the_official_image():

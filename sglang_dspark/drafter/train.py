@@ -52,7 +52,7 @@ from .checkpoint import (
 from .config import DraftConfigError, DSparkDraftConfig, validate_draft_for_target
 from .loss import LossSums, LossWeights, combine, loss_sums, position_weights
 from .model import BlockLayout, DSparkDrafter, init_weights
-from .target import TargetAdapter, load_target_config
+from .target import TargetAdapter, TargetFeatures, load_target_config
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,10 @@ class TrainConfig:
     decay: float = 4.0  # w_k = exp(-(k-1)/decay)
     precision: str = "auto"  # auto (bf16 autocast where the CPU has bf16), bf16, fp32
     target_dtype: str = "float32"
+    # Keep each sequence's target features (context + final hidden, in target_dtype) in
+    # memory after its first use, so epochs after the first skip the target's forward.
+    # Capped at this many GiB (0 = off); sequences beyond the cap are recomputed each time.
+    feature_cache_gb: float = 8.0
     seed: int = 0
     # Bookkeeping.
     checkpoint_every: int = 100
@@ -121,6 +125,7 @@ class TrainConfig:
 class TokenSequence:
     input_ids: torch.Tensor  # [S] long
     loss_mask: torch.Tensor  # [S] bool
+    index: int = -1  # position in the dataset (feature-cache key)
 
 
 def load_sequences(path: str | Path, *, max_length: int) -> list[TokenSequence]:
@@ -160,7 +165,9 @@ def load_sequences(path: str | Path, *, max_length: int) -> list[TokenSequence]:
                     continue
                 out.append(
                     TokenSequence(
-                        torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+                        torch.tensor(ids, dtype=torch.long),
+                        torch.tensor(mask, dtype=torch.bool),
+                        index=len(out),
                     )
                 )
     if not out:
@@ -342,6 +349,8 @@ class Trainer:
             self.optimizer, warmup_cosine(self.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
         )
         self.bf16 = _use_bf16(cfg.precision)
+        self._features: dict[int, TargetFeatures] = {}
+        self._feature_bytes = 0
         self.step = 0
         if cfg.resume and self.ckpt_path.is_file():
             self._resume()
@@ -437,7 +446,7 @@ class Trainer:
         for seq, bt in items:
             if bt.anchors.numel() == 0:
                 continue
-            feats = self.target.features(seq.input_ids)
+            feats = self._target_features(seq)
             S = seq.input_ids.numel()
             ctx.append(feats.context)
             finals.append(feats.final_hidden)
@@ -474,6 +483,19 @@ class Trainer:
             cat("valid"),
             target_logits,
         )
+
+    def _target_features(self, seq: TokenSequence) -> TargetFeatures:
+        """The target is frozen, so a sequence's features never change: compute them once."""
+        cached = self._features.get(seq.index)
+        if cached is not None:
+            return cached
+        feats = self.target.features(seq.input_ids)
+        size = (feats.context.numel() + feats.final_hidden.numel()) * feats.context.element_size()
+        if seq.index >= 0 and self._feature_bytes + size <= self.cfg.feature_cache_gb * 2**30:
+            feats = TargetFeatures(feats.context.clone(), feats.final_hidden.clone())
+            self._features[seq.index] = feats
+            self._feature_bytes += size
+        return feats
 
     def train_step(self) -> StepStats:
         cfg = self.cfg

@@ -23,6 +23,8 @@ def _hooks():
         cpu_kernels,
         cpu_sampling,
         draft_validation,
+        scheduling,
+        sts_collect,
     )
 
     return {
@@ -31,6 +33,8 @@ def _hooks():
         **cpu_attention.HOOKS,
         **cpu_sampling.HOOKS,
         **draft_validation.HOOKS,
+        **scheduling.HOOKS,
+        **sts_collect.HOOKS,
     }
 
 

@@ -18,8 +18,17 @@ from sglang_dspark.plugin.registry import register_around
 
 
 def _window_lens(forward_batch, num_tokens: int) -> list[int]:
-    """Tokens per request in this verify pass (uniform unless the batch says otherwise)."""
+    """Tokens per request in this verify pass: the ragged layout's verify lengths under
+    `compact` verify (the scheduler trims each request's window), else uniform."""
     bs = int(forward_batch.batch_size)
+    layout = getattr(getattr(forward_batch, "spec_info", None), "ragged_verify_layout", None)
+    if layout is not None:
+        lens = layout.verify_lens_cpu
+        if lens is None:
+            lens = layout.verify_lens.tolist()
+        lens = [int(x) for x in lens][:bs]
+        if sum(lens) <= num_tokens:  # rows past the last window are graph-tier padding
+            return lens
     lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
     if lens is not None and len(lens) == bs and sum(int(x) for x in lens) == num_tokens:
         return [int(x) for x in lens]
@@ -70,6 +79,8 @@ def target_verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cach
         )
         out[start : start + n] = o.squeeze(0).transpose(0, 1)
         start += n
+    if start < num_tokens:
+        out[start:] = 0
     return out.view(num_tokens, layer.tp_q_head_num * layer.v_head_dim)
 
 

@@ -190,6 +190,125 @@ def cpu_rejection_sampler():
     assert (accept_num >= 0).all() and (accept_index[:, 0] == torch.tensor([0, n])).all()
 
 
+@probe
+def dspark_scheduler_mode():
+    os.environ["SGLANG_DSPARK_SCHEDULER"] = "sync"
+    os.environ.pop("SGLANG_RAGGED_VERIFY_MODE", None)
+    try:
+        args = _resolve(os.environ["PROBE_DRAFT"])
+        mode = os.environ.get("SGLANG_RAGGED_VERIFY_MODE")
+    finally:
+        os.environ.pop("SGLANG_DSPARK_SCHEDULER", None)
+        os.environ.pop("SGLANG_RAGGED_VERIFY_MODE", None)
+    assert mode == "compact", f"SGLANG_RAGGED_VERIFY_MODE={mode!r}: the sync mode was not set"
+    declared = [f for _, f in getattr(args, "_resolved_overrides", [])]
+    assert {"disable_overlap_schedule": True} in declared, "overlap scheduling was left on"
+
+
+def _sps_table(xs, ys):
+    from sglang.srt.speculative.dspark_components.dspark_sps import SpsCostTable
+
+    return SpsCostTable(sample_batch_tokens=xs, sample_steps_per_sec=ys, max_batch_tokens=xs[-1])
+
+
+@probe
+def dspark_sync_scheduler():
+    from sglang.srt.speculative.dspark_components.dspark_planner import (
+        DSparkScheduleConfig,
+        HostConfidenceBudgetPlanner,
+    )
+
+    from sglang_dspark.scheduler import schedule_sync
+
+    # SPS falls off a cliff at 4 tokens, then recovers: the unconstrained argmax jumps the
+    # cliff, Algorithm 1 stops before it. Current confidences, no lag.
+    table = _sps_table([1, 2, 3, 4, 6], [10.0, 10.0, 9.5, 4.0, 4.0])
+    c = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9]])
+    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 8)))
+    planner = HostConfidenceBudgetPlanner(
+        sps_table=table, cfg=DSparkScheduleConfig(gamma=4), model_runner=runner, relay_lag_steps=0
+    )
+    os.environ["SGLANG_DSPARK_SCHEDULER"] = "sync"
+    try:
+        budget = planner.compute_budget(
+            confidence=c, generation=torch.ones(2, dtype=torch.int64),
+            current_generation=torch.ones(2, dtype=torch.int64),
+            req_pool_indices_cpu=torch.tensor([0, 1]),
+        )  # fmt: skip
+    finally:
+        os.environ.pop("SGLANG_DSPARK_SCHEDULER", None)
+    want = int(schedule_sync(c, table).sum())
+    assert budget == want, f"budget {budget}, Algorithm 1 on the current confidences: {want}"
+
+
+@probe
+def dspark_sps_startup():
+    import tempfile
+
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.speculative.dspark_components import dspark_planner
+
+    from sglang_dspark import sps
+    from sglang_dspark.plugin import scheduling
+
+    os.environ["DSPARK_CACHE_DIR"] = tempfile.mkdtemp()
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(model_path=os.environ["PROBE_TARGET"], attention_backend="x",
+                                    tp_size=1),
+        dtype=torch.bfloat16, device="cpu",
+    )  # fmt: skip
+    key = scheduling.sps_key_for(runner, verify_num_draft_tokens=8, max_requests=4)
+    cached = _sps_table([1, 8, 32], [10.0, 9.0, 5.0])
+    sps.save_cached(key, cached, seconds=0.0)
+    with get_context().override_server_args(device="cpu", max_running_requests=4):
+        hook_ctx = getattr(scheduling, "_planner_ctx", {})
+        hook_ctx["runner"] = runner  # what the hook on DSparkVerifyPlanner.__init__ records
+        try:
+            table = dspark_planner.build_sps_cost_table(verify_num_draft_tokens=8)
+        finally:
+            hook_ctx.clear()
+    assert table == cached, f"SPS table {table} is not the profiled one (flat: scheduling off)"
+
+
+@probe
+def dspark_sts_recorder():
+    import tempfile
+
+    from sglang.srt.speculative.dspark_components.dspark_observability import (
+        DsparkStepObservers,
+    )
+
+    stem = os.path.join(tempfile.mkdtemp(), "sts")
+    bs, gamma = 2, 4
+    observers = SimpleNamespace(
+        _sts_collect_path=stem, _sts_recorder=None, _gamma=gamma,
+        _verify_num_draft_tokens=gamma + 1, _block_accept_recorder=None,
+        _planner=SimpleNamespace(carries_confidence=True, is_compact_mode=True),
+        _confidence_probe=SimpleNamespace(maybe_observe=lambda **kw: None),
+        _info_dumper=SimpleNamespace(enabled=False),
+        _maybe_record_sts_collect=lambda **kw: DsparkStepObservers._maybe_record_sts_collect(
+            observers, **kw),
+    )  # fmt: skip
+    # compact verify: request 0 verified 2 drafts (both accepted), request 1 verified 4 (1 ok)
+    verify_lens = torch.tensor([3, 5])
+    DsparkStepObservers.observe_verify_step(
+        observers, forward_ct=1, reqs=[], bs=bs, proposal_folded=True,
+        verify_ids_2d=torch.zeros(bs, gamma + 1, dtype=torch.int64),
+        target_logits=torch.zeros(int(verify_lens.sum()), 16),
+        layout=SimpleNamespace(verify_lens=verify_lens), confidence=None,
+        confidence_raw=torch.zeros(bs, gamma), prefix_lens=None, draft_tokens=None,
+        draft_block=None, sampling_info=None, correct_len=torch.tensor([2, 1]),
+        cap_trim_lens=None, bonus=None, commit_lens=None, verify_token_budget=None,
+        req_pool_indices=None, verify_tier_num_tokens=0, dp_tier_num_tokens=None,
+    )  # fmt: skip
+    DsparkStepObservers.note_request_finished(observers, rid="r", natural_stop=True)
+    shards = sorted(__import__("glob").glob(stem + ".*"))
+    assert shards, "nothing on disk after a finished request"
+    shard = torch.load(shards[0], weights_only=True)
+    assert shard["prefix_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]], shard["prefix_mask"]
+    assert shard["verified"].tolist() == [2, 4]
+
+
 def _resolve(draft: str):
     from sglang.srt.server_args import prepare_server_args
 
@@ -199,6 +318,7 @@ def _resolve(draft: str):
         "--speculative-draft-model-path", draft,
     ])  # fmt: skip
     args.resolve_once()
+    return args
 
 
 if __name__ == "__main__":

@@ -1,0 +1,294 @@
+"""Confidence-scheduled verification in SGLang's DSPARK worker: scheduler modes, SPS at start-up.
+
+`SGLANG_DSPARK_SCHEDULER` picks how many drafts each request verifies per step:
+
+- `static`: every draft (upstream `SGLANG_RAGGED_VERIFY_MODE=static`).
+- `async`:  upstream's asynchronous planner (`compact` verify; capacity K from the
+  confidences of two steps earlier, top-K of the current survivals).
+- `sync`:   Algorithm 1 with its early stop on the CURRENT step's confidences
+  (`sglang_dspark.scheduler.schedule_sync`), fed to upstream's top-K kernel as the budget
+  (the top-K of the current survivals with K = Algorithm 1's total are its lengths). The
+  overlap scheduler is turned off, so the confidences the budget reads are this step's.
+
+Unset, SGLang behaves as upstream. Hooks:
+
+- `dspark_scheduler_mode`: maps the mode to `SGLANG_RAGGED_VERIFY_MODE`, refuses a conflicting
+  explicit value, and turns off the overlap scheduler for `sync`.
+- `dspark_sync_scheduler`: the budget of `sync` (HostConfidenceBudgetPlanner.compute_budget).
+- `dspark_sps_startup`: with a scheduling mode and no `--speculative-dspark-sps-table-path`,
+  SPS(B) is profiled by the target's own verify forward at start-up and cached on disk
+  (sglang_dspark.sps); `SGLANG_DSPARK_SPS_PROFILE=0` keeps upstream's flat table.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from sglang_dspark.plugin.registry import register_after, register_around, register_before
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_ENV = "SGLANG_DSPARK_SCHEDULER"
+RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
+MODES = {"static": "static", "async": "compact", "sync": "compact"}
+
+
+class SchedulerConfigError(ValueError):
+    pass
+
+
+def scheduler_mode() -> str | None:
+    raw = os.environ.get(SCHEDULER_ENV, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in MODES:
+        raise SchedulerConfigError(
+            f"{SCHEDULER_ENV}={raw!r} is not one of {', '.join(MODES)}; unset it for "
+            "upstream's behaviour."
+        )
+    return raw
+
+
+def apply_mode_env(environ: dict[str, str] | None = None) -> str | None:
+    """Set SGLANG_RAGGED_VERIFY_MODE from the scheduler mode (before SGLang reads it).
+
+    Raises when both are set and disagree, rather than silently picking one.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(SCHEDULER_ENV, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in MODES:
+        raise SchedulerConfigError(
+            f"{SCHEDULER_ENV}={raw!r} is not one of {', '.join(MODES)}; unset it for "
+            "upstream's behaviour."
+        )
+    want = MODES[raw]
+    have = env.get(RAGGED_ENV)
+    if have and have != want:
+        raise SchedulerConfigError(
+            f"{SCHEDULER_ENV}={raw} needs {RAGGED_ENV}={want}, but {RAGGED_ENV}={have} is set; "
+            f"unset {RAGGED_ENV} (the scheduler mode sets it)."
+        )
+    env[RAGGED_ENV] = want
+    return raw
+
+
+# ------------------------------------------------------------------------- mode / overlap
+def _handle_dspark_with_mode(server_args):
+    mode = apply_mode_env()  # raises SchedulerConfigError for a bad or conflicting setting
+    if mode == "sync":
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        declare_resolution(
+            server_args, f"sglang-dspark {SCHEDULER_ENV}=sync", disable_overlap_schedule=True
+        )
+        logger.info(
+            "%s=sync: overlap scheduling turned off so each step's verify budget reads that "
+            "step's confidences (Algorithm 1 needs the current drafts' survival).",
+            SCHEDULER_ENV,
+        )
+
+
+def install_mode() -> None:
+    try:
+        apply_mode_env()  # early, so every process SGLang starts inherits the verify mode
+    except SchedulerConfigError:
+        pass  # reported by server-argument resolution below, where the user sees it
+    register_before(
+        "sglang.srt.arg_groups.speculative_hook._handle_dspark", _handle_dspark_with_mode
+    )
+
+
+# ------------------------------------------------------------------------- sync budget
+_warned_overlap = False
+
+
+def _compute_budget_sync(
+    original, planner, *, confidence, generation, current_generation, req_pool_indices_cpu
+):
+    if scheduler_mode() != "sync" or planner.forced_budget_frac is not None:
+        return original(
+            planner,
+            confidence=confidence,
+            generation=generation,
+            current_generation=current_generation,
+            req_pool_indices_cpu=req_pool_indices_cpu,
+        )
+    global _warned_overlap
+    import torch
+    from sglang.srt.runtime_context import get_schedule
+    from sglang.srt.speculative.dspark_components.dspark_planner import VerifyBudgetDecision
+
+    from sglang_dspark.scheduler import expected_throughput, schedule_sync
+
+    try:
+        overlap = not get_schedule().disable_overlap_schedule
+    except ValueError:  # no published schedule config (outside a server process)
+        overlap = False
+    if overlap and not _warned_overlap:
+        _warned_overlap = True
+        logger.warning(
+            "%s=sync with overlap scheduling on: the budget reads relayed "
+            "confidences, not the current ones",
+            SCHEDULER_ENV,
+        )
+    c = confidence.detach().to("cpu", dtype=torch.float64)
+    max_len = planner.cfg.resolved_max_verify_len() - 1  # drafts besides the anchor
+    c = c[:, :max_len]
+    lengths = schedule_sync(c, planner.sps_table)
+    budget = int(lengths.sum())
+    theta = expected_throughput(c, lengths, planner.sps_table)
+    planner.last_decision = VerifyBudgetDecision(budget=budget, predicted_theta=theta)
+    return budget
+
+
+def install_sync_budget() -> None:
+    register_around(
+        "sglang.srt.speculative.dspark_components.dspark_planner."
+        "HostConfidenceBudgetPlanner.compute_budget",
+        _compute_budget_sync,
+    )
+
+
+# ------------------------------------------------------------------------- SPS at start-up
+# The DSPARK worker builds its verify planner (and asks for the SPS table) before the target's
+# memory pool, attention backend and eager runner exist. A cached table is returned at once;
+# otherwise the planner gets a provisional two-probe table (so it does not fall back to
+# verify-all) and the real profile runs right after the target's graphs/eager runner are set
+# up (ModelRunner.init_cuda_graphs), before the server accepts requests.
+_planner_ctx: dict = {}
+_pending: list[dict] = []
+
+
+def _planner_init(original, planner, *args, **kwargs):
+    _planner_ctx.clear()
+    _planner_ctx["runner"] = kwargs.get("model_runner")
+    try:
+        result = original(planner, *args, **kwargs)
+        job = _planner_ctx.get("pending")
+        if job is not None:
+            job["planner"] = planner
+            _pending.append(job)
+        return result
+    finally:
+        _planner_ctx.clear()
+
+
+def sps_key_for(model_runner, *, verify_num_draft_tokens: int, max_requests: int):
+    import sglang
+    import torch
+
+    from sglang_dspark import sps
+
+    sa = model_runner.server_args
+    return sps.SpsKey(
+        model=os.path.realpath(sa.model_path),
+        model_config_sha=sps.config_sha(sa.model_path),
+        dtype=str(model_runner.dtype).replace("torch.", ""),
+        device=_device_name(model_runner.device),
+        attention_backend=str(sa.attention_backend),
+        tp_size=int(sa.tp_size),
+        sglang_version=sglang.__version__,
+        torch_version=torch.__version__,
+        max_requests=int(max_requests),
+        tokens_per_request=tuple(sps.tokens_per_request_probes(verify_num_draft_tokens)),
+    )
+
+
+def _device_name(device) -> str:
+    import platform
+
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(dev)}"
+    return f"{dev.type}:{platform.processor() or platform.machine()}:{os.cpu_count()}cpu"
+
+
+def _build_sps_table(original, *, verify_num_draft_tokens):
+    from sglang.srt.runtime_context import get_schedule, get_spec
+    from sglang.srt.speculative.dspark_components.dspark_sps import SpsCostTable
+
+    runner = _planner_ctx.get("runner")
+    if (
+        get_spec().speculative_dspark_sps_table_path
+        or runner is None
+        or os.environ.get("SGLANG_DSPARK_SPS_PROFILE", "1") == "0"
+    ):
+        return original(verify_num_draft_tokens=verify_num_draft_tokens)
+    from sglang_dspark import sps
+
+    max_requests = int(get_schedule().max_running_requests or 1)
+    key = sps_key_for(
+        runner, verify_num_draft_tokens=verify_num_draft_tokens, max_requests=max_requests
+    )
+    table = sps.load_cached(key)
+    if table is not None:
+        logger.info(
+            "DSpark SPS table read from %s: B=%s steps/s=%s",
+            sps.cache_path(key),
+            table.sample_batch_tokens,
+            [round(x, 2) for x in table.sample_steps_per_sec],
+        )
+        return table
+    _planner_ctx["pending"] = {
+        "runner": runner,
+        "key": key,
+        "max_requests": max_requests,
+        "verify_num_draft_tokens": verify_num_draft_tokens,
+    }
+    top = max_requests * verify_num_draft_tokens
+    return SpsCostTable(
+        sample_batch_tokens=[1, top], sample_steps_per_sec=[1.0, 1.0], max_batch_tokens=top
+    )
+
+
+def _profile_after_graphs(result, model_runner, *args, **kwargs):
+    from sglang_dspark import sps
+
+    for job in [j for j in _pending if j["runner"] is model_runner]:
+        _pending.remove(job)
+        t0 = time.perf_counter()
+        table = sps.profile_model_runner(
+            model_runner,
+            verify_num_draft_tokens=job["verify_num_draft_tokens"],
+            max_requests=job["max_requests"],
+        )
+        seconds = time.perf_counter() - t0
+        path = sps.save_cached(job["key"], table, seconds=seconds)
+        budget_planner = getattr(job["planner"], "_budget_planner", None)
+        if budget_planner is not None:
+            budget_planner.sps_table = table
+        logger.info(
+            "DSpark SPS table profiled at start-up in %.1f s, cached at %s: B=%s steps/s=%s",
+            seconds,
+            path,
+            table.sample_batch_tokens,
+            [round(x, 2) for x in table.sample_steps_per_sec],
+        )
+
+
+def install_sps_startup() -> None:
+    register_around(
+        "sglang.srt.speculative.dspark_components.dspark_planner.DSparkVerifyPlanner.__init__",
+        _planner_init,
+    )
+    register_around(
+        "sglang.srt.speculative.dspark_components.dspark_planner.build_sps_cost_table",
+        _build_sps_table,
+    )
+    register_after(
+        "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
+        _profile_after_graphs,
+    )
+
+
+HOOKS = {
+    "dspark_scheduler_mode": install_mode,
+    "dspark_sync_scheduler": install_sync_budget,
+    "dspark_sps_startup": install_sps_startup,
+}
