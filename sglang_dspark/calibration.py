@@ -440,9 +440,19 @@ class CalibrationResult:
 
 
 def calibrate(data: StsData, heldout_fraction: float = 0.3, num_bins: int = DEFAULT_NUM_BINS,
-              seed: int = 0, dataset: str | None = None) -> CalibrationResult:
-    """Split, fit on one part, evaluate on both; ece_before/after from the held-out part."""
-    train, heldout = data.split(heldout_fraction, seed)
+              seed: int = 0, dataset: str | None = None,
+              heldout_data: StsData | None = None) -> CalibrationResult:
+    """Split, fit on one part, evaluate on both; ece_before/after from the held-out part.
+
+    With `heldout_data` (e.g. blocks from other prompts) all of `data` is fitted and the
+    held-out metrics come from `heldout_data` instead of a row split."""
+    if heldout_data is not None:
+        if heldout_data.gamma != data.gamma:
+            raise ValueError(f"held-out data has gamma={heldout_data.gamma}, the fitting data "
+                             f"{data.gamma}")
+        train, heldout, heldout_fraction = data, heldout_data, 0.0
+    else:
+        train, heldout = data.split(heldout_fraction, seed)
     temps = fit(train, num_bins)
     fit_metrics = evaluate(temps, train, num_bins)
     held_metrics = evaluate(temps, heldout, num_bins) if heldout is not None else None
@@ -541,6 +551,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(--speculative-dspark-confidence-sts-path)")
     parser.add_argument("--heldout-fraction", type=float, default=0.3,
                         help="rows kept out of the fit and used for the reported ECE")
+    parser.add_argument("--heldout-data", nargs="+", default=None, metavar="FILE_OR_GLOB",
+                        help="evaluate on these blocks (e.g. other prompts) instead of a row "
+                        "split of --data; all of --data is then fitted")
     parser.add_argument("--plot", type=Path, default=None, help="reliability diagram PNG")
     parser.add_argument("--metrics", type=Path, default=None,
                         help="metrics JSON (default: OUT with suffix .metrics.json)")
@@ -557,8 +570,9 @@ def run(args: argparse.Namespace) -> int:
                          "collect data with the serving block size")
     logger.info("STS data: %d blocks, gamma=%d, from %s", data.num_samples, data.gamma,
                 data.source)
+    heldout = load_data(args.heldout_data) if args.heldout_data else None
     result = calibrate(data, args.heldout_fraction, args.num_bins, args.seed,
-                       dataset=" ".join(args.data))
+                       dataset=" ".join(args.data), heldout_data=heldout)
     write_calibration(result.calibration, args.out)
     metrics_path = args.metrics or args.out.with_suffix(".metrics.json")
     write_metrics(result.metrics, metrics_path)

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
          "fit STS temperatures (SGLang DSparkStsCalibration JSON)"),
         ("data", "sglang_dspark.data.cli", "add_arguments", "run",
          "build training prompts and target-regenerated responses"),
+        ("sps", "sglang_dspark.sps", "add_arguments", "run",
+         "SPS(B) cost table: profile on the embedded server, plot"),
     ]:
         p = sub.add_parser(name, help=text)
         add_fn, run_fn = _lazy(module, add, run)

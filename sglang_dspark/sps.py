@@ -246,7 +246,7 @@ def plot_table(table: SpsCostTable, out: str | Path, *, title: str = "SPS(B)") -
     ax2.set_ylabel("B x SPS")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower right", fontsize=8)
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="center left", fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
     out = Path(out)
@@ -254,3 +254,70 @@ def plot_table(table: SpsCostTable, out: str | Path, *, title: str = "SPS(B)") -
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: sglang-dspark sps {profile,plot}
+
+
+def add_arguments(parser) -> None:
+    sub = parser.add_subparsers(dest="sps_command", required=True)
+    p = sub.add_parser(
+        "profile",
+        help="start the embedded DSPARK server once (it profiles SPS at start-up into the "
+        "cache, or reads the cached table), stop it, print the table, optionally plot it",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--out", default=None, help="also copy the SpsCostTable JSON here")
+    p.add_argument("--plot", default=None, help="write the SPS curve as a PNG here")
+    p.add_argument("--force", action="store_true", help="drop a cached table first")
+    p = sub.add_parser("plot", help="plot an SpsCostTable JSON (SGLang's format) as a PNG")
+    p.add_argument("table")
+    p.add_argument("--out", required=True)
+
+
+def run(args) -> int:
+    if args.sps_command == "plot":
+        from sglang.srt.speculative.dspark_components.dspark_sps import load_sps_table_from_path
+
+        table = load_sps_table_from_path(args.table)
+        if not isinstance(table, SpsCostTable):
+            raise ValueError(f"{args.table} is an additive cost table; only SpsCostTable plots")
+        print(plot_table(table, args.out, title=f"SPS(B): {Path(args.table).name}"))
+        return 0
+    return _profile_with_embedded_server(args)
+
+
+def _profile_with_embedded_server(args) -> int:
+    import re
+    import shutil
+    import tempfile
+
+    from sglang_dspark import embedded
+    from sglang_dspark.server import SGLangServer, free_port
+
+    paths = embedded.ensure(dtype=args.dtype)
+    if args.force:
+        for f in sps_cache_dir().glob("*.json"):
+            f.unlink()
+    port = free_port()
+    log = Path(tempfile.gettempdir()) / f"sglang-dspark-sps-{port}.log"
+    cmd = embedded.launch_command(paths, port=port, dtype=args.dtype)
+    with SGLangServer(cmd, embedded.launch_env(scheduler="sync"), port, log) as server:
+        text = server.log_text()
+    found = re.findall(r"DSpark SPS table (?:profiled at start-up in [0-9.]+ s, cached at|"
+                       r"read from) (\S+):", text)
+    if not found:
+        raise RuntimeError(f"the server did not report an SPS table; see {log}")
+    record = json.loads(Path(found[-1]).read_text())
+    table = SpsCostTable.from_json(json.dumps(record["table"]))
+    print(f"SPS table {found[-1]} ({record.get('profile_seconds', '?')} s to profile)")
+    print(f"{'B':>6} {'steps/s':>9} {'B x steps/s':>12}")
+    for b, s in zip(table.sample_batch_tokens, table.sample_steps_per_sec):
+        print(f"{b:>6} {s:>9.2f} {b * s:>12.1f}")
+    if args.out:
+        shutil.copy(Path(found[-1]).with_name(Path(found[-1]).stem + ".table.json"), args.out)
+        print(f"wrote {args.out} (--speculative-dspark-sps-table-path)")
+    if args.plot:
+        print(f"wrote {plot_table(table, args.plot, title='SPS(B), embedded server')}")
+    return 0

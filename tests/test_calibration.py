@@ -355,3 +355,25 @@ def test_plugin_recorder_keeps_every_step_per_rank_and_the_verify_window(tmp_pat
     assert data.valid[3].tolist() == [True, False, False, False]
     assert data.accepted[3, 0].item() is False
     assert data.valid[0].tolist() == [True] * 4 and data.accepted[0].tolist() == [True] * 4
+
+
+def test_cli_heldout_data_from_other_prompts(tmp_path, capsys):
+    """--heldout-data: fit on every row of --data, report ECE on the other file's rows."""
+    for name, seed, n in (("fit", 11, 20_000), ("held", 12, 8_000)):
+        logits, _, n_acc = synthetic_blocks(n, 3, seed=seed)
+        d = blocks_to_data(logits, n_acc)
+        save_sts_data(tmp_path / f"{name}.npz", d.logits, d.accepted, d.valid)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([
+        "--data", str(tmp_path / "fit.npz"), "--heldout-data", str(tmp_path / "held.npz"),
+        "--out", str(tmp_path / "sts.json"),
+    ])  # fmt: skip
+    assert run(args) == 0
+    calib = load_sts_calibration_from_path(str(tmp_path / "sts.json"))
+    assert calib.num_samples == 20_000  # every fitting row
+    metrics = json.loads((tmp_path / "sts.metrics.json").read_text())
+    assert metrics["heldout"]["num_samples"] == 8_000
+    assert metrics["heldout"]["mean_cumulative_ece_after"] < metrics["heldout"][
+        "mean_cumulative_ece_before"]
+    assert "STS on held-out rows (8000)" in capsys.readouterr().out

@@ -1,0 +1,88 @@
+"""Confidence-scheduled verification in a real SGLang 0.5.23 DSPARK server on CPU.
+
+The embedded default runs SGLANG_DSPARK_SCHEDULER=sync: Algorithm 1 on the current
+confidences, `compact` (ragged) verify, SPS profiled at start-up and cached on disk. The
+greedy-equality and audit tests (test_serving.py, test_losslessness.py) run against that same
+default server; here: that scheduling is really on, and STS data collection from the server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import sglang
+import torch
+from conftest import eval_prompts
+
+from sglang_dspark.calibration import load_data
+from sglang_dspark.client import chat_prompt_ids, generate_many
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+SPS_LINE = re.compile(r"DSpark SPS table (?:profiled at start-up in [0-9.]+ s, cached at|read from) (\S+):")
+CAP_LEN = re.compile(r"cap len: ([0-9.]+)")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(embedded_paths):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded_paths.target)
+    prompts = eval_prompts("gsm8k", 3) + eval_prompts("humaneval", 3) + eval_prompts("mt-bench", 2)
+    return [chat_prompt_ids(tok, p) for p in prompts]
+
+
+def _sps_cache_file(log: str) -> Path:
+    found = SPS_LINE.findall(log)
+    assert found, "the server neither profiled nor read an SPS table at start-up"
+    return Path(found[-1])
+
+
+def test_default_server_schedules_with_algorithm_1_and_a_start_up_sps_table(
+    servers, embedded_paths, prompt_ids
+):
+    server = servers.get(embedded_paths)
+    out = generate_many(server.base_url, prompt_ids, concurrency=8, max_new_tokens=24)
+    assert all(len(o["output_ids"]) > 0 for o in out)
+    log = server.log_text()
+    assert "SGLANG_DSPARK_SCHEDULER=sync: overlap scheduling turned off" in log
+    assert "ragged-verify scheduler enabled (mode=compact" in log
+    record = json.loads(_sps_cache_file(log).read_text())
+    assert record["key"]["sglang_version"] == sglang.__version__
+    assert record["key"]["dtype"] == "bfloat16" and record["key"]["device"].startswith("cpu")
+    sps = record["table"]["sample_steps_per_sec"]
+    assert len(sps) >= 4 and sps[-1] < sps[0]  # bigger verify batches take longer
+
+
+def test_sts_data_collected_from_a_scheduling_server_keeps_the_verify_window(
+    servers, embedded_paths, prompt_ids, tmp_path_factory
+):
+    # Collection records raw logits, so the server runs without a calibration file.
+    draft = tmp_path_factory.mktemp("draft-uncalibrated")
+    for f in Path(embedded_paths.draft).iterdir():
+        if f.name != "sts.json":
+            shutil.copy(f, draft / f.name)
+    stem = tmp_path_factory.mktemp("sts") / "collect"
+    server = servers.get(
+        embedded_paths, draft=draft, extra=("--decode-log-interval", "1"),
+        env={"SGLANG_DSPARK_STS_COLLECT_PATH": str(stem)},
+    )  # fmt: skip
+    out = generate_many(server.base_url, prompt_ids, concurrency=8, max_new_tokens=24)
+    verify_steps = sum(o["meta_info"]["spec_verify_ct"] for o in out)
+    # every finished request is on disk already: the server is still running
+    data = load_data(str(stem) + ".rank0.*.pt")
+    assert data.gamma == 7 and data.verified is not None
+    assert data.num_samples >= verify_steps  # one row per request per verify step
+    log = server.log_text()
+    caps = [float(x) for x in CAP_LEN.findall(log)]
+    assert caps and min(caps) < 8.0, "every step verified the whole block: no scheduling"
+    assert (data.verified < 7).any(), "no verify window was trimmed"
+    # labels stop at the window: accepted drafts never exceed the drafts verified
+    n_accepted = (data.accepted & data.valid).sum(1)
+    assert (n_accepted <= data.verified).all()
+    assert not (data.valid & (torch.arange(7)[None, :] >= data.verified[:, None])).any()
+    assert _sps_cache_file(log).is_file()
