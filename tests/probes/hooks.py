@@ -153,6 +153,30 @@ def torch_native_target_verify():
         ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
+    # `compact` verify: windows of 1 and 2 tokens for two requests (SGLang's ragged layout);
+    # each request's rows must equal a verify pass of that request alone.
+    req_to_token[1, :3] = torch.tensor([20, 21, 22])
+    lens = [1, 2]
+    ragged = SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=2, req_pool_indices=torch.tensor([0, 1]),
+        seq_lens=torch.tensor([ctx, 3]), out_cache_loc=torch.tensor([24, 25, 26]),
+        extend_prefix_lens=None, extend_seq_lens=None, encoder_lens=None, extend_seq_lens_cpu=None,
+        spec_info=SimpleNamespace(ragged_verify_layout=SimpleNamespace(
+            verify_lens_cpu=lens, verify_lens=torch.tensor(lens))),
+    )  # fmt: skip
+    layer.attn_type = AttentionType.DECODER
+    q3, k3, v3 = q[:3], k[:3], v[:3]
+    out = backend.forward_extend(q3, k3, v3, layer, ragged)
+    for i, (lo, hi) in enumerate([(0, 1), (1, 3)]):
+        single = SimpleNamespace(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=1,
+            req_pool_indices=torch.tensor([i]), seq_lens=ragged.seq_lens[i : i + 1],
+            out_cache_loc=ragged.out_cache_loc[lo:hi], extend_prefix_lens=None,
+            extend_seq_lens=None, encoder_lens=None, extend_seq_lens_cpu=None,
+        )  # fmt: skip
+        ref = backend.forward_extend(q3[lo:hi], k3[lo:hi], v3[lo:hi], layer, single)
+        torch.testing.assert_close(out[lo:hi], ref, rtol=1e-5, atol=1e-6)
+
 
 @probe
 def cpu_bf16_draft_kernels():
