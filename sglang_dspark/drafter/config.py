@@ -482,6 +482,8 @@ def validate_draft_for_target(
             "for this target."
         )
     if not 0 <= draft.mask_token_id < embed_rows:
+        # one message for one fault: the target's bound supersedes the draft's own
+        out = [m for m in out if not m.startswith(f"mask_token_id {draft.mask_token_id} ")]
         out.append(
             f"mask_token_id {draft.mask_token_id} is outside the target vocabulary ({embed_rows}); "
             f"set it below {embed_rows}."
