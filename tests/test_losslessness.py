@@ -78,8 +78,12 @@ def test_dspark_temperature_1_matches_target_distribution(
 
 
 def test_broken_sampler_fails_the_same_test(servers, embedded_paths, prompt_ids, reference):
+    # static mode verifies every proposed draft, so "every draft kept" is visible in the counts
+    # (under sync scheduling only the drafts in each trimmed window can be kept; the audit test
+    # below breaks the sampler of the scheduling server)
     broken = servers.get(
-        embedded_paths, env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all"}
+        embedded_paths,
+        env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all", "SGLANG_DSPARK_SCHEDULER": "static"},
     )
     samples, correct, proposed = _collect(broken, prompt_ids)
     assert correct == proposed  # every draft kept
@@ -88,7 +92,8 @@ def test_broken_sampler_fails_the_same_test(servers, embedded_paths, prompt_ids,
 
 
 def test_audit_command_passes_on_dspark_and_fails_on_broken_sampler(servers, embedded_paths):
-    """`sglang-dspark audit` against the same servers: exit 0, then exit 1 for the broken one."""
+    """`sglang-dspark audit` against the embedded default (sync scheduling on): exit 0; then
+    exit 1 for the same scheduling server with the sampler broken."""
     import subprocess
     import sys
 
