@@ -36,7 +36,7 @@ from sglang_dspark.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class SpsKey:
     device: str
     attention_backend: str
     tp_size: int
+    threads: int  # torch intra-op threads (CPU step time depends on them)
     sglang_version: str
     torch_version: str
     max_requests: int
@@ -87,11 +88,15 @@ def sweep_shapes(max_requests: int, tokens_per_request: Sequence[int]) -> list[t
 
 
 def table_from_timings(seconds: dict[int, Sequence[float]]) -> SpsCostTable:
-    """batch tokens -> repeated step times  =>  SpsCostTable (1 / median)."""
+    """batch tokens -> repeated step times  =>  SpsCostTable (1 / median), made non-increasing
+    in B (a bigger verify batch is never faster; timing noise must not tell the scheduler that
+    verifying more is free)."""
     if not seconds:
         raise ValueError("no SPS timings to build a table from")
     xs = sorted(seconds)
     sps = [1.0 / max(statistics.median(seconds[b]), 1e-9) for b in xs]
+    for i in range(1, len(sps)):
+        sps[i] = min(sps[i], sps[i - 1])
     return SpsCostTable(sample_batch_tokens=xs, sample_steps_per_sec=sps, max_batch_tokens=xs[-1])
 
 
@@ -120,7 +125,7 @@ def time_sweep(
 
 
 def profile_model_runner(
-    model_runner, *, verify_num_draft_tokens: int, max_requests: int, repeats: int = 5
+    model_runner, *, verify_num_draft_tokens: int, max_requests: int, repeats: int = 7
 ) -> SpsCostTable:
     """Time SGLang's dummy TARGET_VERIFY forward of the target over the sweep.
 

@@ -23,6 +23,7 @@ def _key(**kw) -> sps.SpsKey:
         "device": "cpu:x:2cpu",
         "attention_backend": "torch_native",
         "tp_size": 1,
+        "threads": 2,
         "sglang_version": "0.5.23",
         "torch_version": "2.14.1",
         "max_requests": 16,
@@ -49,6 +50,8 @@ def test_table_is_one_over_the_median_step_time():
     assert table.max_batch_tokens == 4
     with pytest.raises(ValueError):
         sps.table_from_timings({})
+    noisy = sps.table_from_timings({1: [0.1], 2: [0.09], 4: [0.2]})  # B=2 timed faster than B=1
+    assert noisy.sample_steps_per_sec == pytest.approx([10.0, 10.0, 5.0])
 
 
 def test_time_sweep_runs_warmup_and_repeats_per_shape():

@@ -191,6 +191,7 @@ def sps_key_for(model_runner, *, verify_num_draft_tokens: int, max_requests: int
         device=_device_name(model_runner.device),
         attention_backend=str(sa.attention_backend),
         tp_size=int(sa.tp_size),
+        threads=torch.get_num_threads(),
         sglang_version=sglang.__version__,
         torch_version=torch.__version__,
         max_requests=int(max_requests),
