@@ -39,8 +39,10 @@ class SchedulerConfigError(ValueError):
     pass
 
 
-def scheduler_mode() -> str | None:
-    raw = os.environ.get(SCHEDULER_ENV, "").strip().lower()
+def scheduler_mode(environ: dict[str, str] | None = None) -> str | None:
+    """The validated SGLANG_DSPARK_SCHEDULER value, or None when unset."""
+    env = os.environ if environ is None else environ
+    raw = env.get(SCHEDULER_ENV, "").strip().lower()
     if not raw:
         return None
     if raw not in MODES:
@@ -57,14 +59,9 @@ def apply_mode_env(environ: dict[str, str] | None = None) -> str | None:
     Raises when both are set and disagree, rather than silently picking one.
     """
     env = os.environ if environ is None else environ
-    raw = env.get(SCHEDULER_ENV, "").strip().lower()
-    if not raw:
+    raw = scheduler_mode(env)
+    if raw is None:
         return None
-    if raw not in MODES:
-        raise SchedulerConfigError(
-            f"{SCHEDULER_ENV}={raw!r} is not one of {', '.join(MODES)}; unset it for "
-            "upstream's behaviour."
-        )
     want = MODES[raw]
     have = env.get(RAGGED_ENV)
     if have and have != want:
