@@ -11,6 +11,12 @@ p_d,k = softmax(U_k + B_k) is the drafter's corrected distribution (teacher-forc
 head), p_t,k the target's at the same position. Positions past the end of the sequence or off
 the loss mask (and everything after the first such position in a block) get weight 0.
 
+TV and CE share one pass over the vocabulary (:class:`_TvCe`): rows are processed in chunks,
+nothing [N, gamma, V]-sized is kept in fp32, and the backward recomputes the softmaxes chunk by
+chunk with the closed-form gradients
+
+    d TV / d z = p_d * (s - <p_d, s>),  s = sign(p_d - p_t);     d CE / d z = p_d - onehot(x).
+
 Terms are returned as sums so that data-parallel ranks and micro-batches can share one
 global normaliser (sum of w_k over the global batch): the gradient then does not depend on
 how the batch was split.
@@ -67,6 +73,59 @@ class LossSums:
         return cls(*(torch.zeros((), device=device) for _ in fields(cls)))
 
 
+_CHUNK_ROWS = 64
+
+
+class _TvCe(torch.autograd.Function):
+    """(TV, CE) per row of draft logits z [N, V] against target logits t [N, V] (any float
+    dtype; computed in fp32 a chunk of rows at a time). Gradient flows to z only."""
+
+    @staticmethod
+    def forward(ctx, z, t, labels):  # type: ignore[override]
+        n = z.shape[0]
+        tv = torch.empty(n, dtype=torch.float32, device=z.device)
+        ce = torch.empty(n, dtype=torch.float32, device=z.device)
+        for i in range(0, n, _CHUNK_ROWS):
+            sl = slice(i, i + _CHUNK_ROWS)
+            log_pd = torch.log_softmax(z[sl].float(), dim=-1)
+            p_t = torch.softmax(t[sl].float(), dim=-1)
+            tv[sl] = (log_pd.exp() - p_t).abs().sum(dim=-1)
+            ce[sl] = -log_pd.gather(-1, labels[sl, None]).squeeze(-1)
+        ctx.save_for_backward(z, t, labels)
+        return tv, ce
+
+    @staticmethod
+    def backward(ctx, g_tv, g_ce):  # type: ignore[override]
+        z, t, labels = ctx.saved_tensors
+        n = z.shape[0]
+        g_tv = torch.zeros(n, device=z.device) if g_tv is None else g_tv.float()
+        g_ce = torch.zeros(n, device=z.device) if g_ce is None else g_ce.float()
+        grad = torch.empty_like(z)
+        for i in range(0, n, _CHUNK_ROWS):
+            sl = slice(i, i + _CHUNK_ROWS)
+            p_d = torch.softmax(z[sl].float(), dim=-1)
+            sign = torch.sign(p_d - torch.softmax(t[sl].float(), dim=-1))
+            dot = (p_d * sign).sum(dim=-1, keepdim=True)
+            g = p_d * (g_tv[sl, None] * (sign - dot) + g_ce[sl, None])
+            g.scatter_add_(-1, labels[sl, None], -g_ce[sl, None])
+            grad[sl] = g.to(grad.dtype)
+        return grad, None, None
+
+
+def tv_ce(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """||softmax(draft) - softmax(target)||_1 and -log softmax(draft)[label] over the last
+    dim; leading dims are kept. Memory: one chunk of rows in fp32, not the whole batch."""
+    lead, vocab = draft_logits.shape[:-1], draft_logits.shape[-1]
+    tv, ce = _TvCe.apply(
+        draft_logits.reshape(-1, vocab),
+        target_logits.reshape(-1, vocab),
+        labels.reshape(-1).long(),
+    )
+    return tv.view(lead), ce.view(lead)
+
+
 def loss_sums(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
@@ -79,10 +138,7 @@ def loss_sums(
     """draft_logits / target_logits [N, gamma, V]; labels, valid, confidence_logits [N, gamma]."""
     gamma = draft_logits.shape[1]
     w = position_weights(gamma, decay, draft_logits.device) * valid.float()  # [N, gamma]
-    log_pd = torch.log_softmax(draft_logits.float(), dim=-1)
-    p_t = torch.softmax(target_logits.float(), dim=-1)
-    ce = -log_pd.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    tv = (log_pd.exp() - p_t).abs().sum(dim=-1)  # ||p_d - p_t||_1
+    tv, ce = tv_ce(draft_logits, target_logits, labels)  # ||p_d - p_t||_1, -log p_d(x)
     if confidence_logits is not None:
         c_star = (1.0 - 0.5 * tv.detach()).clamp(0.0, 1.0)
         conf = F.binary_cross_entropy_with_logits(

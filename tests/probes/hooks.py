@@ -215,6 +215,34 @@ def cpu_rejection_sampler():
 
 
 @probe
+def cpu_greedy_markov_step():
+    from sglang.kernels.ops.speculative.dspark import markov_sample
+
+    def no_noise(*args, **kwargs):
+        raise AssertionError("Philox noise drawn for an all-greedy step")
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 40, generator=gen)
+    bias = torch.randn(3, 40, generator=gen)
+    kept = torch.empty(3, 40)
+    common = dict(
+        base_logits=base, bias=bias, key=7, offset=torch.zeros(1, dtype=torch.int64), step=0,
+        step_dtype=torch.float32, logits_out=kept, has_sampled_rows=None,
+    )  # fmt: skip
+    sampled = markov_sample.MarkovSampleStep.torch(  # a sampled row: noise is still drawn
+        temperatures=torch.tensor([0.0, 1.0, 0.0]), **common
+    )
+    assert sampled.shape == (3,)
+    original, markov_sample._philox = markov_sample._philox, no_noise
+    try:
+        tokens = markov_sample.MarkovSampleStep.torch(temperatures=torch.zeros(3), **common)
+    finally:
+        markov_sample._philox = original
+    assert torch.equal(tokens, (base + bias).argmax(-1)), tokens
+    assert torch.equal(kept, base + bias)
+
+
+@probe
 def dspark_scheduler_mode():
     os.environ["SGLANG_DSPARK_SCHEDULER"] = "sync"
     os.environ.pop("SGLANG_RAGGED_VERIFY_MODE", None)
