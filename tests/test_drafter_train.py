@@ -25,6 +25,7 @@ from sglang_dspark.drafter.train import (
     block_targets,
     load_sequences,
     main,
+    sample_anchor_split,
     sample_anchors,
 )
 
@@ -99,6 +100,15 @@ def test_anchor_sampling_is_seeded_and_valid():
     assert sample_anchors(mask, 100, seed=1).numel() == 39
 
 
+def test_dense_anchors_leave_the_full_ones_alone():
+    mask = torch.tensor([0] * 5 + [1] * 40, dtype=torch.bool)
+    full, dense = sample_anchor_split(mask, 8, 20, seed=1)
+    assert full.tolist() == sample_anchors(mask, 8, seed=1).tolist()
+    assert dense.numel() == 20 and not set(full.tolist()) & set(dense.tolist())
+    full, dense = sample_anchor_split(mask, 30, 20, seed=1)  # only 39 candidates
+    assert full.numel() == 30 and dense.numel() == 9
+
+
 def test_data_format_errors(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}\n')
@@ -118,6 +128,28 @@ def test_out_of_vocab_data_is_refused(setup, tmp_path):
 
 
 # ------------------------------------------------------------------ training
+def test_dense_mse_blocks_train_and_need_a_weight(setup):
+    """Dense blocks (centred-logit MSE only) lower that MSE; the full-loss blocks are the
+    same ones as without them; dense blocks without an MSE weight are refused."""
+    root, target = setup
+    with pytest.raises(ValueError, match="dense_anchors=4 needs mse_weight > 0"):
+        Trainer(_cfg(root, target, "dense-bad", dense_anchors=4))
+    trainer = Trainer(
+        _cfg(root, target, "dense", steps=30, checkpoint_every=100, lr=3e-3, dense_anchors=6,
+             mse_weight=0.5)
+    )  # fmt: skip
+    plain = Trainer(_cfg(root, target, "dense-ref", steps=30, checkpoint_every=100))
+    for (_, a, dense), (_, b, none) in zip(trainer._plan(0), plain._plan(0)):
+        assert a.anchors.tolist() == b.anchors.tolist() and none.anchors.numel() == 0
+        assert dense.anchors.numel() > 0
+    first = trainer.train_step()
+    for _ in range(28):
+        trainer.train_step()
+    last = trainer.train_step()
+    assert last.per_term["mse"] < 0.8 * first.per_term["mse"]
+    assert last.loss < first.loss
+
+
 def test_training_lowers_the_loss(setup):
     root, target = setup
     trainer = Trainer(_cfg(root, target, "learn", steps=30, checkpoint_every=100, lr=3e-3))

@@ -17,6 +17,16 @@ chunk with the closed-form gradients
 
     d TV / d z = p_d * (s - <p_d, s>),  s = sign(p_d - p_t);     d CE / d z = p_d - onehot(x).
 
+Optional dense term (``mse``, off by default): the mean squared error between the drafter's
+and the target's centred logits over the WHOLE vocabulary,
+
+    MSE_k = 1/V || C (W_lm h_k + W2 z_k - W_lm t_k) ||^2,   C = I - 11^T/V  (shift-invariant),
+
+computed exactly in H + r dimensions through Gram matrices (:class:`LogitGram`): no
+vocabulary-sized tensor at all. t_k is the target's final normed hidden state at the same
+position, z_k the Markov head's rank-r code (B_k = W2 z_k). Its cost per block is a small
+fraction of TV/CE's, so it can supervise many more blocks per step ("dense anchors").
+
 Terms are returned as sums so that data-parallel ranks and micro-batches can share one
 global normaliser (sum of w_k over the global batch): the gradient then does not depend on
 how the batch was split.
@@ -36,6 +46,7 @@ class LossWeights:
     tv: float = 0.9
     conf: float = 1.0
     decay: float = 4.0  # w_k = exp(-(k-1)/decay); <= 0 means uniform weights
+    mse: float = 0.0  # dense centred-logit MSE (its own normaliser, see combine())
 
 
 def position_weights(
@@ -58,6 +69,8 @@ class LossSums:
     weight: torch.Tensor  # sum of w_k over supervised positions
     accept: torch.Tensor  # sum over supervised positions of 1 - TV_k / 2 (unweighted)
     count: torch.Tensor  # number of supervised positions
+    mse: torch.Tensor  # sum of w_k * MSE_k over the blocks the MSE term supervises
+    mse_weight: torch.Tensor  # sum of w_k over those positions
 
     def __add__(self, other: LossSums) -> LossSums:
         return LossSums(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -155,10 +168,44 @@ def loss_sums(
         weight=w.sum(),
         accept=((1.0 - 0.5 * tv.detach()) * vf).sum(),
         count=vf.sum(),
+        mse=w.new_zeros(()),
+        mse_weight=w.new_zeros(()),
     )
 
 
-def combine(sums: LossSums, weights: LossWeights, weight_total: torch.Tensor) -> torch.Tensor:
-    """0.1 CE + 0.9 TV + 1.0 CONF, normalised by the (global) weight total."""
+def combine(
+    sums: LossSums,
+    weights: LossWeights,
+    weight_total: torch.Tensor,
+    mse_weight_total: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """0.1 CE + 0.9 TV + 1.0 CONF, normalised by the (global) weight total, plus
+    ``weights.mse`` x the MSE sum over its own (global) weight total."""
     denom = weight_total.clamp_min(1e-6)
-    return (weights.ce * sums.ce + weights.tv * sums.tv + weights.conf * sums.conf) / denom
+    loss = (weights.ce * sums.ce + weights.tv * sums.tv + weights.conf * sums.conf) / denom
+    if weights.mse and mse_weight_total is not None:
+        loss = loss + weights.mse * sums.mse / mse_weight_total.clamp_min(1e-6)
+    return loss
+
+
+class LogitGram:
+    """Centred-logit MSE through Gram matrices of the frozen LM head W_lm [V, H] and the
+    Markov head's W2 [V, r]. W_lm's Gram is computed once; W2's parts every call (it trains)."""
+
+    def __init__(self, lm_head_weight: torch.Tensor) -> None:
+        w = lm_head_weight.detach().float()
+        self.vocab = w.shape[0]
+        self.w_c = w - w.mean(dim=0, keepdim=True)  # C W_lm
+        self.g_hh = self.w_c.T @ self.w_c / self.vocab  # [H, H]
+
+    def mse(self, diff: torch.Tensor, codes: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """diff = h - t [..., H], codes = z [..., r], w2 [V, r]: MSE [...] (fp32)."""
+        w2_c = w2.float() - w2.float().mean(dim=0, keepdim=True)
+        g_hz = self.w_c.T @ w2_c / self.vocab  # [H, r]
+        g_zz = w2_c.T @ w2_c / self.vocab  # [r, r]
+        d, z = diff.float(), codes.float()
+        return (
+            ((d @ self.g_hh) * d).sum(-1)
+            + 2.0 * ((d @ g_hz) * z).sum(-1)
+            + ((z @ g_zz) * z).sum(-1)
+        )

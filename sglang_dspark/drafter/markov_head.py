@@ -39,11 +39,22 @@ class VanillaMarkov(nn.Module):
     def init_state(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def code(
+        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step's rank-r code z_k, with B_k = W2 z_k (and the next state)."""
+        return self.prev_embeddings(prev_tokens), state
+
     def step(
         self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step: B_k [..., V] from x_{k-1} (and h_k / s_{k-1} for gated / rnn)."""
-        return self.markov_w2(self.prev_embeddings(prev_tokens)), state
+        z, state = self.code(prev_tokens, hidden, state)
+        return self.markov_w2(z), state
+
+    def block_codes(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced z_1..z_gamma [..., gamma, r] (B_k = W2 z_k) for whole blocks."""
+        return self.code(prev_tokens, hidden, None)[0]
 
     def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher-forced B_1..B_gamma for whole blocks.
@@ -65,12 +76,12 @@ class GatedMarkovHead(VanillaMarkov):
         super().__init__(vocab_size=vocab_size, markov_rank=markov_rank)
         self.gate_proj = nn.Linear(int(hidden_size) + self.markov_rank, self.markov_rank)  # W_g
 
-    def step(
+    def code(
         self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         e = self.prev_embeddings(prev_tokens)
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(e.dtype), e], dim=-1)))
-        return self.markov_w2(gate * e), state
+        return gate * e, state
 
 
 class RNNHead(VanillaMarkov):
@@ -87,7 +98,7 @@ class RNNHead(VanillaMarkov):
         """s_0 = 0, one per row of ``hidden`` [..., H]."""
         return hidden.new_zeros(*hidden.shape[:-1], self.markov_rank)
 
-    def step(
+    def code(
         self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.prev_embeddings(prev_tokens)
@@ -97,15 +108,18 @@ class RNNHead(VanillaMarkov):
         g, c, o = self.joint_proj(z).chunk(3, dim=-1)
         g = torch.sigmoid(g)
         new_state = g * state + (1.0 - g) * torch.tanh(c)
-        return self.markov_w2(torch.tanh(o)), new_state
+        return torch.tanh(o), new_state
+
+    def block_codes(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        state = self.init_state(hidden[..., 0, :])
+        codes = []
+        for k in range(prev_tokens.shape[-1]):
+            z, state = self.code(prev_tokens[..., k], hidden[..., k, :], state)
+            codes.append(z)
+        return torch.stack(codes, dim=-2)
 
     def block_bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        state = self.init_state(hidden[..., 0, :])
-        biases = []
-        for k in range(prev_tokens.shape[-1]):
-            bias, state = self.step(prev_tokens[..., k], hidden[..., k, :], state)
-            biases.append(bias)
-        return torch.stack(biases, dim=-2)
+        return self.markov_w2(self.block_codes(prev_tokens, hidden))
 
 
 def build_markov_head(

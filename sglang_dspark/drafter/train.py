@@ -50,7 +50,7 @@ from .checkpoint import (
     save_draft,
 )
 from .config import DraftConfigError, DSparkDraftConfig, validate_draft_for_target
-from .loss import LossSums, LossWeights, combine, loss_sums, position_weights
+from .loss import LogitGram, LossSums, LossWeights, combine, loss_sums, position_weights
 from .model import BlockLayout, DSparkDrafter, init_weights
 from .target import TargetAdapter, TargetFeatures, load_target_config
 
@@ -76,6 +76,9 @@ class TrainConfig:
     # Data.
     max_length: int = 2048
     num_anchors: int = 64  # anchors (blocks) per sequence
+    # More blocks per sequence supervised by the dense centred-logit MSE only (no vocabulary
+    # pass; see loss.py). Needs mse_weight > 0.
+    dense_anchors: int = 0
     # Optimisation.
     steps: int | None = None  # default: epochs * steps_per_epoch
     epochs: int = 1
@@ -90,6 +93,7 @@ class TrainConfig:
     tv_weight: float = 0.9
     conf_weight: float = 1.0
     decay: float = 4.0  # w_k = exp(-(k-1)/decay)
+    mse_weight: float = 0.0  # centred-logit MSE on every block (full and dense)
     precision: str = "auto"  # auto (bf16 autocast where the CPU has bf16), bf16, fp32
     target_dtype: str = "float32"
     # Keep each sequence's target features (context + final hidden, in target_dtype) in
@@ -117,7 +121,9 @@ class TrainConfig:
 
     @property
     def loss_weights(self) -> LossWeights:
-        return LossWeights(self.ce_weight, self.tv_weight, self.conf_weight, self.decay)
+        return LossWeights(
+            self.ce_weight, self.tv_weight, self.conf_weight, self.decay, self.mse_weight
+        )
 
 
 # ---------------------------------------------------------------------------- data
@@ -188,12 +194,22 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, seed: int) -> torch.Tensor:
+    return sample_anchor_split(loss_mask, num_anchors, 0, seed)[0]
+
+
+def sample_anchor_split(
+    loss_mask: torch.Tensor, num_full: int, num_dense: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct anchors: ``num_full`` for the full loss, then up to ``num_dense`` more for the
+    dense MSE term only (each set sorted). The full set does not depend on ``num_dense``."""
     cand = anchor_candidates(loss_mask)
     if cand.numel() == 0:
-        return cand
+        return cand, cand
     gen = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(cand.numel(), generator=gen)[:num_anchors]
-    return cand[pick].sort().values
+    perm = torch.randperm(cand.numel(), generator=gen)
+    full = cand[perm[:num_full]].sort().values
+    dense = cand[perm[num_full : num_full + num_dense]].sort().values
+    return full, dense
 
 
 @dataclass
@@ -300,6 +316,20 @@ def _use_bf16(precision: str) -> bool:
 
 
 @dataclass
+class _MicroBatch:
+    """One packed drafter call: every block of a few sequences."""
+
+    context: torch.Tensor  # [S_total, m*H] target features
+    layout: BlockLayout
+    labels: torch.Tensor  # [B, gamma]
+    prev_tokens: torch.Tensor  # [B, gamma]
+    valid: torch.Tensor  # [B, gamma]
+    is_full: torch.Tensor  # [B] bool: full loss (TV/CE/CONF) vs dense MSE only
+    target_logits: torch.Tensor | None  # [B_full, gamma, V]
+    target_hidden: torch.Tensor | None  # [B, gamma, H] (only with the MSE term)
+
+
+@dataclass
 class StepStats:
     loss: float
     accept: float  # mean 1 - TV/2 over supervised positions (acceptance proxy)
@@ -349,6 +379,12 @@ class Trainer:
             self.optimizer, warmup_cosine(self.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
         )
         self.bf16 = _use_bf16(cfg.precision)
+        if cfg.dense_anchors and not cfg.mse_weight:
+            raise DraftConfigError(
+                f"dense_anchors={cfg.dense_anchors} needs mse_weight > 0: dense blocks are "
+                "supervised by the centred-logit MSE only"
+            )
+        self._gram = LogitGram(self.target.lm_head_weight) if cfg.mse_weight else None
         self._features: dict[int, TargetFeatures] = {}
         self._feature_bytes = 0
         self.step = 0
@@ -426,35 +462,47 @@ class Trainer:
             dist.barrier()
 
     # -------------------------------------------------------------- one step
-    def _plan(self, step: int) -> list[tuple[TokenSequence, BlockTargets]]:
+    def _plan(self, step: int) -> list[tuple[TokenSequence, BlockTargets, BlockTargets]]:
+        """(sequence, full-loss blocks, dense-MSE-only blocks) for this rank's samples."""
         epoch, samples = self.schedule.samples(step)
         local = samples[self.dist.rank :: self.dist.world]
+        gamma = self.draft_config.block_size
         plan = []
         for idx in local:
             seq = self.sequences[idx]
-            anchors = sample_anchors(
-                seq.loss_mask, self.cfg.num_anchors, _stable_seed(self.cfg.seed, epoch, idx)
+            full, dense = sample_anchor_split(
+                seq.loss_mask,
+                self.cfg.num_anchors,
+                self.cfg.dense_anchors,
+                _stable_seed(self.cfg.seed, epoch, idx),
             )
-            plan.append((seq, block_targets(seq, anchors, self.draft_config.block_size)))
+            plan.append((seq, block_targets(seq, full, gamma), block_targets(seq, dense, gamma)))
         return plan
 
-    def _micro_batch(self, items: Sequence[tuple[TokenSequence, BlockTargets]]):
-        """Run the target and pack every block of ``items`` into one drafter layout."""
-        ctx, finals, ctx_pos, lo, hi, tpos = [], [], [], [], [], []
+    def _micro_batch(self, items: Sequence[tuple[TokenSequence, BlockTargets, BlockTargets]]):
+        """Run the target and pack every block of ``items`` into one drafter layout: each
+        sequence's full-loss blocks, then its dense (MSE-only) blocks."""
+        ctx, finals, ctx_pos, lo, hi, tpos, full_tpos, is_full = [], [], [], [], [], [], [], []
         targets: list[BlockTargets] = []
         offset = 0
-        for seq, bt in items:
-            if bt.anchors.numel() == 0:
+        for seq, bt, dense in items:
+            if bt.anchors.numel() + dense.anchors.numel() == 0:
                 continue
             feats = self._target_features(seq)
             S = seq.input_ids.numel()
             ctx.append(feats.context)
             finals.append(feats.final_hidden)
             ctx_pos.append(torch.arange(S))
-            lo.append(torch.full_like(bt.anchors, offset))
-            hi.append(offset + bt.anchors)  # context strictly before the anchor
-            tpos.append(offset + bt.target_pos)
-            targets.append(bt)
+            for part, full in ((bt, True), (dense, False)):
+                if part.anchors.numel() == 0:
+                    continue
+                lo.append(torch.full_like(part.anchors, offset))
+                hi.append(offset + part.anchors)  # context strictly before the anchor
+                tpos.append(offset + part.target_pos)
+                if full:
+                    full_tpos.append(offset + part.target_pos)
+                is_full.append(torch.full_like(part.anchors, full, dtype=torch.bool))
+                targets.append(part)
             offset += S
         if not targets:
             return None
@@ -473,15 +521,19 @@ class Trainer:
             ctx_hi=torch.cat(hi),
         )
         final = torch.cat(finals)
-        with torch.no_grad():  # hidden-state communication: LM head only where needed
-            target_logits = self.target.logits(final[torch.cat(tpos)]).float()
-        return (
-            torch.cat(ctx),
-            layout,
-            cat("labels"),
-            cat("prev_tokens"),
-            cat("valid"),
-            target_logits,
+        target_logits = None
+        if full_tpos:
+            with torch.no_grad():  # hidden-state communication: LM head only where needed
+                target_logits = self.target.logits(final[torch.cat(full_tpos)])
+        return _MicroBatch(
+            context=torch.cat(ctx),
+            layout=layout,
+            labels=cat("labels"),
+            prev_tokens=cat("prev_tokens"),
+            valid=cat("valid"),
+            is_full=torch.cat(is_full),
+            target_logits=target_logits,
+            target_hidden=final[torch.cat(tpos)] if self.cfg.mse_weight else None,
         )
 
     def _target_features(self, seq: TokenSequence) -> TargetFeatures:
@@ -501,25 +553,20 @@ class Trainer:
         cfg = self.cfg
         plan = self._plan(self.step)
         w = position_weights(self.draft_config.block_size, cfg.decay)
-        local_weight = torch.stack([(bt.valid.float() * w).sum() for _, bt in plan]).sum()
-        weight_total = self.dist.all_reduce_(local_weight.clone())
+        full_w = torch.stack([(bt.valid.float() * w).sum() for _, bt, _ in plan]).sum()
+        dense_w = torch.stack([(d.valid.float() * w).sum() for _, _, d in plan]).sum()
+        totals_w = self.dist.all_reduce_(torch.stack([full_w, full_w + dense_w]))
+        weight_total, mse_weight_total = totals_w[0], totals_w[1]
         totals = LossSums.zeros()
         tokens = 0
         for i in range(0, len(plan), cfg.micro_batch_size):
             items = plan[i : i + cfg.micro_batch_size]
-            tokens += sum(seq.input_ids.numel() for seq, _ in items)
+            tokens += sum(seq.input_ids.numel() for seq, _, _ in items)
             mb = self._micro_batch(items)
             if mb is None:
                 continue
-            ctx, layout, labels, prev, valid, target_logits = mb
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-                hidden = self.drafter(ctx, layout)
-                draft_logits = self.drafter.draft_logits(hidden, prev)
-                conf_logits = self.drafter.confidence_logits(hidden, prev)
-            sums = loss_sums(
-                draft_logits, target_logits, labels, valid, conf_logits, decay=cfg.decay
-            )
-            loss = combine(sums, cfg.loss_weights, weight_total)
+            sums = self._micro_batch_loss(mb)
+            loss = combine(sums, cfg.loss_weights, weight_total, mse_weight_total)
             loss.backward()
             totals = totals + sums.detached()
         for p in self.params:  # sum gradients over ranks (the loss is globally normalised)
@@ -535,17 +582,55 @@ class Trainer:
         stats = self.dist.all_reduce_(
             torch.cat([totals.as_tensor(), torch.tensor([float(tokens)])])
         )
-        ce, tv, conf, weight, accept, count, tok = stats.tolist()
+        ce, tv, conf, weight, accept, count, mse, mse_weight, tok = stats.tolist()
         denom = max(weight, 1e-6)
         lw = cfg.loss_weights
+        per_term = {"ce": ce / denom, "tv": tv / denom, "conf": conf / denom}
+        loss = (lw.ce * ce + lw.tv * tv + lw.conf * conf) / denom
+        if lw.mse:
+            per_term["mse"] = mse / max(mse_weight, 1e-6)
+            loss += lw.mse * per_term["mse"]
         return StepStats(
-            loss=(lw.ce * ce + lw.tv * tv + lw.conf * conf) / denom,
+            loss=loss,
             accept=accept / max(count, 1.0),
             tokens=int(tok),
             lr=lr,
             grad_norm=float(grad_norm),
-            per_term={"ce": ce / denom, "tv": tv / denom, "conf": conf / denom},
+            per_term=per_term,
         )
+
+    def _micro_batch_loss(self, mb: _MicroBatch) -> LossSums:
+        cfg = self.cfg
+        full = mb.is_full
+        all_full = bool(full.all())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            hidden = self.drafter(mb.context, mb.layout)
+            if mb.target_logits is not None:
+                hf = hidden if all_full else hidden[full]
+                prev_f = mb.prev_tokens if all_full else mb.prev_tokens[full]
+                draft_logits = self.drafter.draft_logits(hf, prev_f)
+                conf_logits = self.drafter.confidence_logits(hf, prev_f)
+        if mb.target_logits is not None:
+            sums = loss_sums(
+                draft_logits,
+                mb.target_logits,
+                mb.labels[full],
+                mb.valid[full],
+                conf_logits,
+                decay=cfg.decay,
+            )
+        else:
+            sums = LossSums.zeros()
+        if mb.target_hidden is not None:
+            head = self.drafter.markov_head
+            codes = head.block_codes(mb.prev_tokens, hidden)
+            mse = self._gram.mse(
+                hidden.float() - mb.target_hidden.float(), codes, head.markov_w2.weight
+            )
+            wv = position_weights(mse.shape[1], cfg.decay) * mb.valid.float()
+            sums.mse = (mse * wv).sum()
+            sums.mse_weight = wv.sum()
+        return sums
 
     # -------------------------------------------------------------- loop
     def train(self) -> Path:
