@@ -602,15 +602,13 @@ class Trainer:
     def _micro_batch_loss(self, mb: _MicroBatch) -> LossSums:
         cfg = self.cfg
         full = mb.is_full
-        all_full = bool(full.all())
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.drafter(mb.context, mb.layout)
-            if mb.target_logits is not None:
-                hf = hidden if all_full else hidden[full]
-                prev_f = mb.prev_tokens if all_full else mb.prev_tokens[full]
-                draft_logits = self.drafter.draft_logits(hf, prev_f)
-                conf_logits = self.drafter.confidence_logits(hf, prev_f)
+        sums = LossSums.zeros()
         if mb.target_logits is not None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                draft_logits = self.drafter.draft_logits(hidden[full], mb.prev_tokens[full])
+                conf_logits = self.drafter.confidence_logits(hidden[full], mb.prev_tokens[full])
             sums = loss_sums(
                 draft_logits,
                 mb.target_logits,
@@ -619,8 +617,6 @@ class Trainer:
                 conf_logits,
                 decay=cfg.decay,
             )
-        else:
-            sums = LossSums.zeros()
         if mb.target_hidden is not None:
             head = self.drafter.markov_head
             codes = head.block_codes(mb.prev_tokens, hidden)
