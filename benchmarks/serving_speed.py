@@ -3,14 +3,18 @@
 
     python benchmarks/serving_speed.py [--concurrency 1,4] [--requests 8] [--max-new-tokens 128]
 
-Starts the plain server and the DSPARK server on 127.0.0.1 (one at a time, same machine, same
-prompts from ../shared/eval), runs each concurrency level, and prints tokens/s, DSPARK's accept
-length, and the ratio DSPARK / plain. Greedy decoding. Stops both servers. Prints JSON too.
+Starts the plain server and each DSPARK server on 127.0.0.1 at once (all `--sleep-on-idle`, so
+an idle server takes no CPU), then measures them interleaved: in each of `--rounds` rounds every
+server serves every concurrency level in turn, with the same prompts from ../shared/eval. A
+shared machine's speed drifts over minutes; interleaving puts that drift on every server alike,
+so the ratio DSPARK / plain is measured side by side. Prints tokens/s, DSPARK's accept length
+and the ratio; greedy decoding; stops every server; writes JSON with --json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -50,16 +54,32 @@ def measure(server, prompt_ids, concurrency: int, max_new_tokens: int) -> dict:
     }
 
 
+def merge(parts: list[dict]) -> dict:
+    """One level's measurements over all rounds: tokens over total seconds."""
+    tokens, seconds = sum(p["tokens"] for p in parts), sum(p["seconds"] for p in parts)
+    verify = sum(p["tokens"] / p["accept_len"] for p in parts if p["accept_len"])
+    return {
+        "concurrency": parts[0]["concurrency"], "tokens": tokens, "seconds": seconds,
+        "tokens_per_s": tokens / seconds, "accept_len": tokens / verify if verify else None,
+        "rounds": [p["tokens_per_s"] for p in parts],
+    }  # fmt: skip
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "eval")
     parser.add_argument(
         "--draft", type=Path, action="append", default=None,
         help="draft dir to compare (repeatable; default: the embedded draft)",
+    )
+    parser.add_argument(
+        "--dspark-env", action="append", default=[], metavar="KEY=VALUE",
+        help="extra environment for the DSPARK servers (repeatable)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args(argv)
@@ -77,20 +97,32 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(paths.target)
     prompt_ids = [chat_prompt_ids(tok, p) for p in load_prompts(args.eval_dir, args.requests)]
     levels = [int(x) for x in args.concurrency.split(",")]
-    results = {}
     runs = [("plain", False, paths)] + [
         (f"dspark:{d}", True, replace(paths, draft=d)) for d in drafts
     ]
-    for label, spec, run_paths in runs:
-        port = free_port()
-        log = Path(tempfile.gettempdir()) / f"bench-{port}.log"
-        cmd = embedded.launch_command(run_paths, port=port, dtype=args.dtype, speculative=spec)
-        with SGLangServer(cmd, embedded.launch_env(), port, log) as server:
-            generate_many(server.base_url, prompt_ids[:2], max_new_tokens=8)  # warm-up
-            results[label] = [
-                measure(server, prompt_ids, c, args.max_new_tokens) for c in levels
-            ]
-    print(f"\nembedded server, {args.dtype}, {len(prompt_ids)} requests x {args.max_new_tokens} tokens")
+    servers = {}
+    with contextlib.ExitStack() as stack:
+        for label, spec, run_paths in runs:
+            port = free_port()
+            log = Path(tempfile.gettempdir()) / f"bench-{port}.log"
+            cmd = embedded.launch_command(run_paths, port=port, dtype=args.dtype, speculative=spec)
+            env = embedded.launch_env()
+            if spec:
+                env.update(kv.split("=", 1) for kv in args.dspark_env)
+            servers[label] = stack.enter_context(SGLangServer(cmd, env, port, log))
+            generate_many(servers[label].base_url, prompt_ids[:2], max_new_tokens=8)  # warm-up
+        parts = {label: {c: [] for c in levels} for label in servers}
+        for r in range(args.rounds):
+            for c in levels:
+                for label, server in servers.items():
+                    parts[label][c].append(measure(server, prompt_ids, c, args.max_new_tokens))
+                    print(f"round {r + 1}/{args.rounds} concurrency {c} {label[-40:]}: "
+                          f"{parts[label][c][-1]['tokens_per_s']:.2f} tok/s", flush=True)  # fmt: skip
+    results = {label: [merge(parts[label][c]) for c in levels] for label in servers}
+    print(
+        f"\nembedded server, {args.dtype}, {len(prompt_ids)} requests x {args.max_new_tokens} tokens, "
+        f"{args.rounds} interleaved rounds"
+    )
     print(f"{'draft':<48} {'conc':>4} {'plain tok/s':>12} {'dspark tok/s':>13} {'accept':>7} {'ratio':>6}")
     for label, rows in results.items():
         if label == "plain":

@@ -36,7 +36,8 @@ from sglang_dspark.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
-TABLE_VERSION = 2
+# 3: the CPU verify attention became one batched SDPA per layer (old tables timed the per-request loop)
+TABLE_VERSION = 3
 
 
 @dataclass(frozen=True)
