@@ -164,18 +164,21 @@ def torch_native_target_verify():
         spec_info=SimpleNamespace(ragged_verify_layout=SimpleNamespace(
             verify_lens_cpu=lens, verify_lens=torch.tensor(lens))),
     )  # fmt: skip
-    layer.attn_type = AttentionType.DECODER
+    # The whole batch is one padded SDPA call: different context and window lengths, for causal
+    # (target) and bidirectional (draft) layers.
     q3, k3, v3 = q[:3], k[:3], v[:3]
-    out = backend.forward_extend(q3, k3, v3, layer, ragged)
-    for i, (lo, hi) in enumerate([(0, 1), (1, 3)]):
-        single = SimpleNamespace(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=1,
-            req_pool_indices=torch.tensor([i]), seq_lens=ragged.seq_lens[i : i + 1],
-            out_cache_loc=ragged.out_cache_loc[lo:hi], extend_prefix_lens=None,
-            extend_seq_lens=None, encoder_lens=None, extend_seq_lens_cpu=None,
-        )  # fmt: skip
-        ref = backend.forward_extend(q3[lo:hi], k3[lo:hi], v3[lo:hi], layer, single)
-        torch.testing.assert_close(out[lo:hi], ref, rtol=1e-5, atol=1e-6)
+    for attn_type in [AttentionType.DECODER, AttentionType.ENCODER_ONLY]:
+        layer.attn_type = attn_type
+        out = backend.forward_extend(q3, k3, v3, layer, ragged)
+        for i, (lo, hi) in enumerate([(0, 1), (1, 3)]):
+            single = SimpleNamespace(
+                forward_mode=ForwardMode.TARGET_VERIFY, batch_size=1,
+                req_pool_indices=torch.tensor([i]), seq_lens=ragged.seq_lens[i : i + 1],
+                out_cache_loc=ragged.out_cache_loc[lo:hi], extend_prefix_lens=None,
+                extend_seq_lens=None, encoder_lens=None, extend_seq_lens_cpu=None,
+            )  # fmt: skip
+            ref = backend.forward_extend(q3[lo:hi], k3[lo:hi], v3[lo:hi], layer, single)
+            torch.testing.assert_close(out[lo:hi], ref, rtol=1e-5, atol=1e-6)
 
 
 @probe
