@@ -77,10 +77,6 @@ def main(argv=None) -> int:
         "--draft", type=Path, action="append", default=None,
         help="draft dir to compare (repeatable; default: the embedded draft)",
     )
-    parser.add_argument(
-        "--dspark-env", action="append", default=[], metavar="KEY=VALUE",
-        help="extra environment for the DSPARK servers (repeatable)",
-    )
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args(argv)
 
@@ -106,10 +102,8 @@ def main(argv=None) -> int:
             port = free_port()
             log = Path(tempfile.gettempdir()) / f"bench-{port}.log"
             cmd = embedded.launch_command(run_paths, port=port, dtype=args.dtype, speculative=spec)
-            env = embedded.launch_env()
-            if spec:
-                env.update(kv.split("=", 1) for kv in args.dspark_env)
-            servers[label] = stack.enter_context(SGLangServer(cmd, env, port, log))
+            server = SGLangServer(cmd, embedded.launch_env(), port, log)
+            servers[label] = stack.enter_context(server)
             generate_many(servers[label].base_url, prompt_ids[:2], max_new_tokens=8)  # warm-up
         parts = {label: {c: [] for c in levels} for label in servers}
         for r in range(args.rounds):

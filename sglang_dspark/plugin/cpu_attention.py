@@ -49,7 +49,8 @@ class _VerifyPlan:
     layer is one gather and one SDPA call, whatever the batch size.
     """
 
-    kv_index: torch.Tensor  # [bs, l] token-pool slots: context, then the window's own slots
+    kv_index: torch.Tensor  # [bs, l] token-pool slots of each request's context (0 elsewhere)
+    window_rows: torch.Tensor  # [num valid] rows of the padded [bs * l] keys holding the window
     q_index: torch.Tensor  # [bs, w] rows of q (padding rows repeat row 0)
     mask: torch.Tensor  # [bs, 1, w, l] True = attend
     out_rows: torch.Tensor  # [num valid] rows of the padded [bs * w] output, in q order
@@ -58,8 +59,7 @@ class _VerifyPlan:
 def _plan(backend, forward_batch, lens: list[int], causal: bool, device) -> _VerifyPlan:
     seq_lens = forward_batch.seq_lens.tolist()
     pools = forward_batch.req_pool_indices.tolist()
-    out_loc = forward_batch.out_cache_loc
-    key = (tuple(seq_lens), tuple(pools), tuple(lens), causal, tuple(out_loc[: sum(lens)].tolist()))
+    key = (tuple(seq_lens), tuple(pools), tuple(lens), causal)
     cached = getattr(forward_batch, "_dspark_verify_plans", None)
     if cached is None:
         cached = {}
@@ -72,10 +72,10 @@ def _plan(backend, forward_batch, lens: list[int], causal: bool, device) -> _Ver
     kv_index = torch.zeros(bs, l, dtype=torch.long, device=device)
     q_index = torch.zeros(bs, w, dtype=torch.long, device=device)
     mask = torch.zeros(bs, 1, w, l, dtype=torch.bool, device=device)
-    out_rows, start = [], 0
+    window_rows, out_rows, start = [], [], 0
     for i, (s, n) in enumerate(zip(seq_lens, lens)):
         kv_index[i, :s] = req_to_token[pools[i], :s]
-        kv_index[i, s : s + n] = out_loc[start : start + n]
+        window_rows += range(i * l + s, i * l + s + n)
         q_index[i, :n] = torch.arange(start, start + n, device=device)
         mask[i, 0, :n, :s] = True
         window = torch.ones(n, n, dtype=torch.bool, device=device)
@@ -83,30 +83,40 @@ def _plan(backend, forward_batch, lens: list[int], causal: bool, device) -> _Ver
         mask[i, 0, n:, 0] = True  # padding rows attend to one key (no all-masked softmax)
         out_rows += range(i * w, i * w + n)
         start += n
-    cached[key] = _VerifyPlan(kv_index, q_index, mask, torch.tensor(out_rows, device=device))
+    cached[key] = _VerifyPlan(
+        kv_index, torch.tensor(window_rows, device=device), q_index, mask,
+        torch.tensor(out_rows, device=device),
+    )  # fmt: skip
     return cached[key]
+
+
+def _keys(cache, own, plan: _VerifyPlan, dtype):
+    """[bs, l, heads, dim]: each request's cached context, then its window's own keys (taken
+    from this pass, so a caller that writes the pool itself, save_kv_cache=False, reads the
+    same)."""
+    bs, l = plan.kv_index.shape
+    keys = cache.index_select(0, plan.kv_index.view(-1)).to(dtype)
+    keys.index_copy_(0, plan.window_rows, own[: plan.window_rows.numel()].to(dtype))
+    return keys.view(bs, l, *keys.shape[1:])
 
 
 def target_verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+    if save_kv_cache:
+        backend.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
+        )
     num_tokens = q.shape[0]
     q_ = q.view(num_tokens, layer.tp_q_head_num, layer.qk_head_dim)
-    if not save_kv_cache:
-        return _target_verify_unsaved(backend, q, k, v, layer, forward_batch)
-    backend.token_to_kv_pool.set_kv_buffer(
-        layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
-    )
-    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
-    lens = _window_lens(forward_batch, num_tokens)
+    k_ = k.view(num_tokens, layer.tp_k_head_num, layer.qk_head_dim)
+    v_ = v.view(num_tokens, layer.tp_v_head_num, layer.v_head_dim)
     causal = layer.attn_type != AttentionType.ENCODER_ONLY
-    plan = _plan(backend, forward_batch, lens, causal, q.device)
-    bs, l = plan.kv_index.shape
-    flat = plan.kv_index.view(-1)
-    keys = k_cache.index_select(0, flat).view(bs, l, layer.tp_k_head_num, -1).to(q.dtype)
-    values = v_cache.index_select(0, flat).view(bs, l, layer.tp_v_head_num, -1).to(q.dtype)
+    plan = _plan(backend, forward_batch, _window_lens(forward_batch, num_tokens), causal, q.device)
+    bs = plan.kv_index.shape[0]
+    keys = _keys(backend.token_to_kv_pool.get_key_buffer(layer.layer_id), k_, plan, q.dtype)
+    values = _keys(backend.token_to_kv_pool.get_value_buffer(layer.layer_id), v_, plan, q.dtype)
     queries = q_.index_select(0, plan.q_index.view(-1)).view(bs, -1, *q_.shape[1:])
     o = scaled_dot_product_attention(
         queries.transpose(1, 2),
@@ -117,47 +127,8 @@ def target_verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cach
         enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
     )  # [bs, heads, w, v_dim]
     rows = o.transpose(1, 2).reshape(-1, layer.tp_q_head_num, layer.v_head_dim)
-    valid = plan.out_rows.numel()
     out = q.new_zeros(num_tokens, layer.tp_q_head_num, layer.v_head_dim)
-    out[:valid] = rows.index_select(0, plan.out_rows)
-    return out.view(num_tokens, layer.tp_q_head_num * layer.v_head_dim)
-
-
-def _target_verify_unsaved(backend, q, k, v, layer, forward_batch):
-    """Per-request path for a pass that does not write its keys to the pool."""
-    from sglang.srt.layers.radix_attention import AttentionType
-
-    num_tokens = q.shape[0]
-    q_ = q.view(num_tokens, layer.tp_q_head_num, layer.qk_head_dim)
-    k_ = k.view(num_tokens, layer.tp_k_head_num, layer.qk_head_dim)
-    v_ = v.view(num_tokens, layer.tp_v_head_num, layer.v_head_dim)
-    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
-    req_to_token = backend.req_to_token_pool.req_to_token
-    causal = layer.attn_type != AttentionType.ENCODER_ONLY
-    out = q.new_zeros(num_tokens, layer.tp_q_head_num, layer.v_head_dim)
-    seq_lens = forward_batch.seq_lens.tolist()
-    pools = forward_batch.req_pool_indices.tolist()
-    start = 0
-    for i, n in enumerate(_window_lens(forward_batch, num_tokens)):
-        ctx = req_to_token[pools[i], : seq_lens[i]].long()
-        keys = torch.cat([k_cache[ctx].to(q.dtype), k_[start : start + n]], 0)
-        values = torch.cat([v_cache[ctx].to(q.dtype), v_[start : start + n]], 0)
-        mask = None
-        if causal:
-            # row r sees all context and window rows 0..r
-            mask = torch.ones(n, seq_lens[i] + n, dtype=torch.bool, device=q.device)
-            mask[:, seq_lens[i] :] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        o = scaled_dot_product_attention(
-            q_[start : start + n].transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            scale=layer.scaling,
-            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-        )
-        out[start : start + n] = o.squeeze(0).transpose(0, 1)
-        start += n
+    out[: plan.out_rows.numel()] = rows.index_select(0, plan.out_rows)
     return out.view(num_tokens, layer.tp_q_head_num * layer.v_head_dim)
 
 

@@ -141,6 +141,9 @@ def torch_native_target_verify():
             v_head_dim=dim, layer_id=0, is_cross_attention=False, attn_type=attn_type,
             scaling=dim**-0.5, sliding_window_size=None, logit_cap=0, k_scale=None, v_scale=None,
         )  # fmt: skip
+        # save_kv_cache=False first, while the pool's window slots still hold other keys: the
+        # window's keys must come from this pass
+        unsaved = backend.forward_extend(q, k, v, layer, batch, save_kv_cache=False)
         out = backend.forward_extend(q, k, v, layer, batch).view(win, heads, dim)
         # reference: context + window keys, grouped-query heads, causal or full inside the window
         keys = torch.cat([k_cache[:ctx], k.view(win, kv_heads, dim)]).repeat_interleave(2, 1)
@@ -152,6 +155,7 @@ def torch_native_target_verify():
             scores = scores.masked_fill(~mask, float("-inf"))
         ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(unsaved.view(win, heads, dim), ref, rtol=1e-4, atol=1e-5)
 
     # `compact` verify: windows of 1 and 2 tokens for two requests (SGLang's ragged layout);
     # each request's rows must equal a verify pass of that request alone.
