@@ -22,10 +22,11 @@ from sglang_dspark.data.generate import (
     chat_prompt_ids,
     generate_dataset,
 )
-from sglang_dspark.data.prompts import DOMAINS, build_prompts, prompt_stream
+from sglang_dspark.data.prompts import ALL_DOMAINS, DOMAINS, build_prompts, prompt_stream
 from sglang_dspark.data.python_docs import ensure_python_docs
 from sglang_dspark.data.stdlib_code import MAX_CODE_CHARS, SKIP_DIRS, stdlib_manifest
 from sglang_dspark.data.word_problems import TEMPLATES, check_solution, math_problem
+from sglang_dspark.data.writing import SUBJECTS, TASKS
 
 torch.set_num_threads(1)
 
@@ -35,7 +36,7 @@ def _first(domain: str, seed: int, n: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------- prompt sources
-@pytest.mark.parametrize("domain", DOMAINS)
+@pytest.mark.parametrize("domain", ALL_DOMAINS)
 def test_prompts_are_deterministic_per_seed_and_prefix_stable(domain):
     a, b = _first(domain, 0, 40), _first(domain, 0, 40)
     assert a == b
@@ -73,6 +74,21 @@ def test_chat_prompts_come_from_the_python_docs():
     faq = [p["messages"][0]["content"] for p in prompts if "/faq/" in p["id"]]
     assert any("?" in q for q in faq)
     assert not any(":func:`" in p["messages"][0]["content"] for p in prompts)
+
+
+def test_writing_prompts_cover_every_task_and_subject_once():
+    prompts = list(prompt_stream("writing", 0))
+    assert len(prompts) == len(TASKS) * len(SUBJECTS)
+    assert len({p["messages"][0]["content"] for p in prompts}) == len(prompts)
+    first = prompts[:200]  # an early prefix already mixes the kinds of request
+    kinds = {p["id"].split("/")[1].rstrip("0123456789") for p in first}
+    assert kinds == {kind for kind, _ in TASKS}
+    assert not any("{" in p["messages"][0]["content"] for p in prompts)  # every slot filled
+
+
+def test_unknown_domain_names_the_known_ones():
+    with pytest.raises(ValueError, match="code, chat, math, writing"):
+        prompt_stream("poetry", 0)
 
 
 def test_math_problems_have_correct_worked_solutions():
@@ -338,6 +354,7 @@ def test_rerun_with_other_settings_is_refused(tokenizer, tmp_path):
 
 def test_shards_are_what_the_trainer_reads(tokenizer, tmp_path):
     from sglang_dspark.drafter import train  # part of the package: never skipped
+
     generate_dataset(
         _small_prompts(2), ScriptedBackend(), tokenizer, tmp_path, Sampling(8), progress=False
     )

@@ -19,12 +19,14 @@ logger = logging.getLogger(__name__)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from .prompts import DOMAINS
+    from .prompts import ALL_DOMAINS, DOMAINS
 
     p.add_argument("--per-domain", type=int, default=100, help="prompts per domain")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--domains", default=",".join(DOMAINS), help="comma-separated subset of %(default)s"
+        "--domains",
+        default=",".join(DOMAINS),
+        help=f"comma-separated, from {','.join(ALL_DOMAINS)} (default: %(default)s)",
     )
     p.add_argument(
         "--eval-dir",

@@ -3,6 +3,8 @@
     code  - CPython stdlib functions with varied instructions   (stdlib_code.py)
     chat  - Python docs / FAQ turned into user questions          (python_docs.py)
     math  - generated word problems asking for worked solutions  (word_problems.py)
+    writing - open-ended chat: emails, stories, advice, role-play (writing.py; not in the
+              default set, ask for it with ``--domains code,chat,math,writing``)
 
 Each prompt is ``{"domain", "id", "messages": [{"role": "user", "content": ...}]}`` (math
 prompts also carry the reference ``answer`` and ``solution``). Every stream is prefix-stable:
@@ -19,7 +21,8 @@ from pathlib import Path
 
 from .eval_guard import EvalGuard
 
-DOMAINS = ("code", "chat", "math")
+DOMAINS = ("code", "chat", "math")  # the default set
+ALL_DOMAINS = (*DOMAINS, "writing")
 
 
 def prompt_stream(domain: str, seed: int) -> Iterator[dict]:
@@ -35,7 +38,11 @@ def prompt_stream(domain: str, seed: int) -> Iterator[dict]:
         from .word_problems import math_prompts
 
         return math_prompts(seed)
-    raise ValueError(f"unknown prompt domain {domain!r}; expected one of {', '.join(DOMAINS)}")
+    if domain == "writing":
+        from .writing import writing_prompts
+
+        return writing_prompts(seed)
+    raise ValueError(f"unknown prompt domain {domain!r}; expected one of {', '.join(ALL_DOMAINS)}")
 
 
 def source_info(domains: Sequence[str]) -> dict:
@@ -54,6 +61,10 @@ def source_info(domains: Sequence[str]) -> dict:
         from .word_problems import TEMPLATES
 
         info["math"] = {"templates": sorted({t.__name__ for t in TEMPLATES})}
+    if "writing" in domains:
+        from .writing import SUBJECTS, TASKS
+
+        info["writing"] = {"tasks": len(TASKS), "subjects": len(SUBJECTS)}
     return info
 
 
