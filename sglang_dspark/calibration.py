@@ -38,9 +38,10 @@ import glob
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,25 +54,25 @@ _EPS = 1e-12
 
 __all__ = [
     "DEFAULT_NUM_BINS",
+    "CalibrationResult",
     "StsData",
-    "save_sts_data",
-    "load_sts_data",
+    "add_arguments",
+    "apply_temperatures",
+    "brier_score",
+    "calibrate",
+    "evaluate",
+    "expected_calibration_error",
+    "fit",
     "load_collector_shard",
     "load_data",
-    "apply_temperatures",
-    "expected_calibration_error",
+    "load_sts_data",
+    "plot_reliability",
     "roc_auc",
-    "brier_score",
+    "run",
+    "save_sts_data",
     "temperature_grid",
-    "fit",
-    "evaluate",
-    "calibrate",
-    "CalibrationResult",
     "write_calibration",
     "write_metrics",
-    "plot_reliability",
-    "add_arguments",
-    "run",
 ]
 
 
@@ -154,7 +155,7 @@ class StsData:
         """Random row split into (fit, held-out); held-out is None for fraction 0."""
         if not 0.0 <= heldout_fraction < 1.0:
             raise ValueError(f"heldout fraction must be in [0, 1), got {heldout_fraction}")
-        n_held = int(round(self.num_samples * heldout_fraction))
+        n_held = round(self.num_samples * heldout_fraction)
         if n_held == 0:
             return self, None
         perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))

@@ -68,6 +68,7 @@ def _patch(args: list[str], patch: Path, root: Path) -> bool:
         [exe, "-p1", "-d", str(root), "-i", str(patch), "--force", "--silent", *args],
         capture_output=True,
         text=True,
+        check=False,
     )
     return proc.returncode == 0
 
@@ -98,9 +99,10 @@ def apply(root: Path | None = None) -> list[PatchStatus]:
             f"sglang=={SGLANG_VERSION}`) and run `sglang-dspark patches apply` again"
         )
     for s in before:
-        if s.state is PatchState.NOT_APPLIED:
-            if not _patch(["--no-backup-if-mismatch"], patches_dir() / s.name, root):
-                raise RuntimeError(f"applying {s.name} failed after a clean dry run")
+        if s.state is PatchState.NOT_APPLIED and not _patch(
+            ["--no-backup-if-mismatch"], patches_dir() / s.name, root
+        ):
+            raise RuntimeError(f"applying {s.name} failed after a clean dry run")
     return status(root)
 
 

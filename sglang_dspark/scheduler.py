@@ -32,7 +32,6 @@ NOT lossless (Appendix A counterexample, tests/test_scheduler.py); it exists onl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
 import torch
 from sglang.srt.speculative.dspark_components.dspark_sps import (
@@ -41,22 +40,22 @@ from sglang.srt.speculative.dspark_components.dspark_sps import (
     load_sps_table_from_path,
 )
 
-SpsTable = Union[SpsCostTable, SpsAdditiveCostTable]
+SpsTable = SpsCostTable | SpsAdditiveCostTable
 
 __all__ = [
     "SpsTable",
-    "load_sps_table",
-    "sps_table_from_points",
-    "save_sps_table",
-    "steps_per_sec",
-    "survival",
+    "expected_throughput",
     "greedy_path",
-    "schedule_sync",
-    "verify_capacity",
-    "top_k_lengths",
+    "load_sps_table",
+    "save_sps_table",
     "schedule_async",
     "schedule_static",
-    "expected_throughput",
+    "schedule_sync",
+    "sps_table_from_points",
+    "steps_per_sec",
+    "survival",
+    "top_k_lengths",
+    "verify_capacity",
 ]
 
 

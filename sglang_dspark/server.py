@@ -13,6 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import requests
 
@@ -50,14 +51,16 @@ class SGLangServer:
 
     def start(self, timeout: float = 600.0) -> SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            self.cmd,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_detach_and_die_with_parent,
-        )
+        # The child gets its own copy of the log's descriptor; the parent's is closed at once.
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # prctl(PR_SET_PDEATHSIG) must run in the child; it only calls libc.
+                preexec_fn=_detach_and_die_with_parent,  # noqa: PLW1509
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -99,7 +102,7 @@ class SGLangServer:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> SGLangServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -117,9 +120,8 @@ class SGLangServer:
             try:
                 if os.getpgid(int(pid)) != pgid:
                     continue
-                for line in open(f"/proc/{pid}/smaps_rollup"):
-                    if line.startswith("Pss:"):
-                        total_kb += int(line.split()[1])
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    total_kb += sum(int(x.split()[1]) for x in f if x.startswith("Pss:"))
             except (OSError, ProcessLookupError):
                 continue
         return total_kb / 1024

@@ -11,6 +11,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sglang.srt.speculative.dspark_components.dspark_sts import (
+    DSparkStsCalibration,
+    StsDataRecorder,
+    load_sts_calibration_from_path,
+)
 
 from sglang_dspark.calibration import (
     StsData,
@@ -26,11 +31,6 @@ from sglang_dspark.calibration import (
     roc_auc,
     run,
     save_sts_data,
-)
-from sglang.srt.speculative.dspark_components.dspark_sts import (
-    DSparkStsCalibration,
-    StsDataRecorder,
-    load_sts_calibration_from_path,
 )
 
 torch.set_num_threads(1)
@@ -54,7 +54,7 @@ def synthetic_blocks(n: int, gamma: int, seed: int = 0, s: float = OVERCONFIDENC
 
 def blocks_to_data(logits, n_accepted, verified=None) -> StsData:
     """Evaluator-style arrays; `verified` [n] truncates a block's verification."""
-    n, gamma = logits.shape
+    gamma = logits.shape[1]
     pos = torch.arange(gamma)[None, :]
     limit = n_accepted if verified is None else torch.minimum(n_accepted, verified)
     valid = pos <= limit[:, None]

@@ -32,7 +32,7 @@ def _launch(embedded_paths, draft, extra=()):
         replace(embedded_paths, draft=draft), port=free_port(), extra=list(extra)
     )
     proc = subprocess.run(
-        cmd, env=embedded.launch_env(), capture_output=True, text=True, timeout=600
+        cmd, env=embedded.launch_env(), capture_output=True, text=True, timeout=600, check=False
     )
     return proc.returncode, proc.stdout + proc.stderr
 

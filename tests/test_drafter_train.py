@@ -169,8 +169,12 @@ def test_feature_cache_runs_the_target_once_per_sequence_and_changes_nothing(set
     for name, gb in (("cached", 1.0), ("uncached", 0.0)):
         trainer = Trainer(_cfg(root, target, name, steps=12, checkpoint_every=100, feature_cache_gb=gb))
         calls = []
-        original = trainer.target.features
-        trainer.target.features = lambda ids, *a, **k: calls.append(1) or original(ids, *a, **k)
+
+        def counted(ids, *a, _calls=calls, _original=trainer.target.features, **k):
+            _calls.append(1)
+            return _original(ids, *a, **k)
+
+        trainer.target.features = counted
         runs[name] = (_weights(trainer.train().parent), len(calls))
     (cached, n_cached), (uncached, n_uncached) = runs["cached"], runs["uncached"]
     assert n_cached == 24 and n_uncached == 48

@@ -63,7 +63,7 @@ def test_foreign_tree_reports_does_not_apply_and_apply_refuses(clean_tree):
 def test_installed_sglang_is_patched_and_cli_says_so():
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_dspark.cli", "patches", "check"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0001-cpu-tolerate-missing-sgl-kernel-ops.patch: applied" in proc.stdout

@@ -73,6 +73,6 @@ def test_torch_sampler_is_identical_to_sglang_triton_kernel():
     """Same coins in, same buffers out: the Triton kernel run by Triton's CPU interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, check=False
     )
     assert "IDENTICAL" in proc.stdout, proc.stderr[-3000:]

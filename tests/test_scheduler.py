@@ -9,6 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sglang.srt.speculative.dspark_components.dspark_sps import (
+    SpsAdditiveCostTable,
+    SpsCostTable,
+)
 
 from sglang_dspark.rejection import chain_rejection_sample
 from sglang_dspark.scheduler import (
@@ -24,10 +28,6 @@ from sglang_dspark.scheduler import (
     survival,
     top_k_lengths,
     verify_capacity,
-)
-from sglang.srt.speculative.dspark_components.dspark_sps import (
-    SpsAdditiveCostTable,
-    SpsCostTable,
 )
 
 torch.set_num_threads(1)

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
-import torch  # noqa: E402
-from sglang.srt.plugins import load_plugins  # noqa: E402
+import torch
+from sglang.srt.plugins import load_plugins
 
 load_plugins()
 
@@ -232,10 +232,10 @@ def cpu_greedy_markov_step():
     base = torch.randn(3, 40, generator=gen)
     bias = torch.randn(3, 40, generator=gen)
     kept = torch.empty(3, 40)
-    common = dict(
-        base_logits=base, bias=bias, key=7, offset=torch.zeros(1, dtype=torch.int64), step=0,
-        step_dtype=torch.float32, logits_out=kept, has_sampled_rows=None,
-    )  # fmt: skip
+    common = {
+        "base_logits": base, "bias": bias, "key": 7, "offset": torch.zeros(1, dtype=torch.int64),
+        "step": 0, "step_dtype": torch.float32, "logits_out": kept, "has_sampled_rows": None,
+    }  # fmt: skip
     sampled = markov_sample.MarkovSampleStep.torch(  # a sampled row: noise is still drawn
         temperatures=torch.tensor([0.0, 1.0, 0.0]), **common
     )
@@ -386,7 +386,7 @@ if __name__ == "__main__":
         try:
             PROBES[name]()
             result = {"probe": name, "ok": True, "error": ""}
-        except Exception as exc:  # report, do not stop: every probe is run
+        except Exception as exc:  # noqa: BLE001 - report, do not stop: every probe is run
             result = {"probe": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                       "trace": traceback.format_exc(limit=3)}  # fmt: skip
         print("PROBE " + json.dumps(result), flush=True)
