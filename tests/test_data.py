@@ -22,7 +22,13 @@ from sglang_dspark.data.generate import (
     chat_prompt_ids,
     generate_dataset,
 )
-from sglang_dspark.data.prompts import ALL_DOMAINS, DOMAINS, build_prompts, prompt_stream
+from sglang_dspark.data.prompts import (
+    ALL_DOMAINS,
+    DOMAINS,
+    build_prompts,
+    prompt_stream,
+    source_info,
+)
 from sglang_dspark.data.python_docs import ensure_python_docs
 from sglang_dspark.data.stdlib_code import MAX_CODE_CHARS, SKIP_DIRS, stdlib_manifest
 from sglang_dspark.data.word_problems import TEMPLATES, check_solution, math_problem
@@ -84,6 +90,15 @@ def test_writing_prompts_cover_every_task_and_subject_once():
     kinds = {p["id"].split("/")[1].rstrip("0123456789") for p in first}
     assert kinds == {kind for kind, _ in TASKS}
     assert not any("{" in p["messages"][0]["content"] for p in prompts)  # every slot filled
+
+
+def test_writing_sources_change_when_a_subject_does(monkeypatch):
+    from sglang_dspark.data import writing
+
+    before = source_info(["writing"])["writing"]
+    monkeypatch.setattr(writing, "SUBJECTS", (*SUBJECTS[:-1], "tide pools"))
+    after = source_info(["writing"])["writing"]
+    assert before["subjects"] == after["subjects"] and before["sha256"] != after["sha256"]
 
 
 def test_unknown_domain_names_the_known_ones():

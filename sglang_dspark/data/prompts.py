@@ -62,9 +62,13 @@ def source_info(domains: Sequence[str]) -> dict:
 
         info["math"] = {"templates": sorted({t.__name__ for t in TEMPLATES})}
     if "writing" in domains:
-        from .writing import SUBJECTS, TASKS
+        from .writing import SUBJECTS, TASKS, templates_sha256
 
-        info["writing"] = {"tasks": len(TASKS), "subjects": len(SUBJECTS)}
+        info["writing"] = {
+            "tasks": len(TASKS),
+            "subjects": len(SUBJECTS),
+            "sha256": templates_sha256(),
+        }
     return info
 
 

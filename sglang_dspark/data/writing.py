@@ -10,6 +10,8 @@ other domains.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Iterator
 
@@ -138,6 +140,13 @@ AUDIENCES: tuple[str, ...] = (
     "first-year university students",
     "a local council",
 )
+
+
+def templates_sha256() -> str:
+    """Hash of the templates, subjects and audiences: a dataset build records it, so resuming
+    a build after any of them changed is refused instead of mixing two prompt sets."""
+    text = json.dumps([TASKS, SUBJECTS, AUDIENCES])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def writing_prompts(seed: int) -> Iterator[dict]:

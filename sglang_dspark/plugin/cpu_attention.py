@@ -90,8 +90,8 @@ def _plan(backend, forward_batch, lens: list[int], causal: bool, device) -> _Ver
     return cached[key]
 
 
-def _keys(cache, own, plan: _VerifyPlan, dtype):
-    """[bs, l, heads, dim]: each request's cached context, then its window's own keys (taken
+def _gather(cache, own, plan: _VerifyPlan, dtype):
+    """[bs, l, heads, dim] keys or values: each request's cached context, then its window's own (taken
     from this pass, so a caller that writes the pool itself, save_kv_cache=False, reads the
     same)."""
     bs, l = plan.kv_index.shape
@@ -115,8 +115,8 @@ def target_verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cach
     causal = layer.attn_type != AttentionType.ENCODER_ONLY
     plan = _plan(backend, forward_batch, _window_lens(forward_batch, num_tokens), causal, q.device)
     bs = plan.kv_index.shape[0]
-    keys = _keys(backend.token_to_kv_pool.get_key_buffer(layer.layer_id), k_, plan, q.dtype)
-    values = _keys(backend.token_to_kv_pool.get_value_buffer(layer.layer_id), v_, plan, q.dtype)
+    keys = _gather(backend.token_to_kv_pool.get_key_buffer(layer.layer_id), k_, plan, q.dtype)
+    values = _gather(backend.token_to_kv_pool.get_value_buffer(layer.layer_id), v_, plan, q.dtype)
     queries = q_.index_select(0, plan.q_index.view(-1)).view(bs, -1, *q_.shape[1:])
     o = scaled_dot_product_attention(
         queries.transpose(1, 2),
