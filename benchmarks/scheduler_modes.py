@@ -6,7 +6,7 @@
 Starts, one at a time on 127.0.0.1, the plain server and the DSPARK server with
 SGLANG_DSPARK_SCHEDULER=static (verify all), async (upstream's planner) and sync (Algorithm 1),
 all with the same drafter, SPS table (profiled at start-up, cached) and STS calibration. At
-each concurrency level it sends the same greedy requests from ../shared/eval and prints:
+each concurrency level it sends the same greedy requests from the packaged eval sets and prints:
 
 - tokens/s/user: each request's completion tokens over its own latency, averaged;
 - aggregate tokens/s: all completion tokens over the wall time of the level;
@@ -30,6 +30,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from sglang_dspark.evaluation.benchmarks import default_eval_dir
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "eval")
+    parser.add_argument("--eval-dir", type=Path, default=default_eval_dir())
     parser.add_argument("--draft", type=Path, default=None, help="default: the embedded draft")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

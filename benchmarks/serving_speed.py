@@ -5,7 +5,7 @@
 
 Starts the plain server and each DSPARK server on 127.0.0.1 at once (all `--sleep-on-idle`, so
 an idle server takes no CPU), then measures them interleaved: in each of `--rounds` rounds every
-server serves every concurrency level in turn, with the same prompts from ../shared/eval. A
+server serves every concurrency level in turn, with the same prompts from the packaged eval sets. A
 shared machine's speed drifts over minutes; interleaving puts that drift on every server alike,
 so the ratio DSPARK / plain is measured side by side. Prints tokens/s, DSPARK's accept length
 and the ratio; greedy decoding; stops every server; writes JSON with --json.
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from sglang_dspark.evaluation.benchmarks import default_eval_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--eval-dir", type=Path, default=REPO.parent / "shared" / "eval")
+    parser.add_argument("--eval-dir", type=Path, default=default_eval_dir())
     parser.add_argument(
         "--draft", type=Path, action="append", default=None,
         help="draft dir to compare (repeatable; default: the embedded draft)",

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", type=Path, help="JSONL with 'messages' (sglang-dspark data prompts)")
-    src.add_argument("--benchmarks", help="comma-separated names under ../shared/eval")
+    src.add_argument("--benchmarks", help="comma-separated packaged eval sets (gsm8k, humaneval, mt-bench)")
     parser.add_argument("--skip-ids-from", type=Path, nargs="*", default=[],
                         help="JSONL files whose 'id's are left out (e.g. the training data)")
     parser.add_argument("--limit", type=int, default=160, help="prompts (per benchmark)")

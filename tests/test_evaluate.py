@@ -388,3 +388,26 @@ def test_cli_errors_say_what_is_wrong(cli_setup, tmp_path):
     with pytest.raises(DraftCheckpointError, match="does not fit the target"):
         ev.run(cli_args(target=other, draft=draft, out=tmp_path, eval_dir=eval_dir,
                         benchmarks="gsm8k"))  # fmt: skip
+
+
+def test_benchmark_prompts_ship_inside_the_package(monkeypatch):
+    """A user's clone has only the repository: the default eval folder is in the package."""
+    monkeypatch.delenv("DSPARK_EVAL_DIR", raising=False)
+    package = Path(ev.__file__).resolve().parents[1]
+    assert ev.default_eval_dir().is_relative_to(package)
+    counts = {name: len(ev.load_prompts(ev.default_eval_dir(), name)) for name in ev.DEFAULT_BENCHMARKS}
+    assert counts == {"gsm8k": 1319, "humaneval": 164, "mt-bench": 80}
+    assert "def has_close_elements" in ev.load_prompts(ev.default_eval_dir(), "humaneval", 1)[0]
+
+
+def test_no_code_reads_a_folder_outside_the_repository():
+    """Tests, tools and CI run from a clone alone: nothing may reach for ../shared."""
+    repo = Path(__file__).resolve().parents[1]
+    sources = [
+        *repo.glob("sglang_dspark/**/*.py"), *repo.glob("tests/**/*.py"), *repo.glob("scripts/*.py"),
+        *repo.glob("benchmarks/*.py"), *repo.glob("loadtest/*.py"), repo / "Makefile",
+        repo / ".ci" / "run",
+    ]  # fmt: skip
+    needle = "../" + "shared"
+    offenders = [str(p.relative_to(repo)) for p in sources if needle in p.read_text()]
+    assert offenders == []

@@ -31,7 +31,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eval-dir",
         default=None,
-        help="eval prompts to keep out (default: $DSPARK_EVAL_DIR or ../shared/eval)",
+        help="eval prompts to keep out (default: $DSPARK_EVAL_DIR or the packaged eval sets)",
     )
     p.add_argument(
         "--no-eval-guard",

@@ -1,4 +1,4 @@
-"""Keep the evaluation prompts (../shared/eval/*.jsonl) out of the training prompts.
+"""Keep the evaluation prompts (sglang_dspark/assets/eval/*.jsonl) out of the training prompts.
 
 A training prompt is dropped when, after normalisation (NFKC, lower case, words only):
 * it equals an eval turn, or contains one (eval turns of at least `min_contained_words`), or

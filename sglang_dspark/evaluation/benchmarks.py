@@ -11,12 +11,16 @@ DEFAULT_BENCHMARKS = ("gsm8k", "humaneval", "mt-bench")
 DOMAINS = {"gsm8k": "math", "humaneval": "code", "mt-bench": "chat"}
 
 
+# The public benchmark prompts shipped in the package (sources and licences: its README.md).
+PACKAGED_EVAL_DIR = Path(__file__).resolve().parents[1] / "assets" / "eval"
+
+
 def default_eval_dir() -> Path:
-    """$DSPARK_EVAL_DIR, else ``../shared/eval`` next to the repository."""
+    """$DSPARK_EVAL_DIR, else the benchmark prompts shipped in the package."""
     env = os.environ.get("DSPARK_EVAL_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "eval"
+    return PACKAGED_EVAL_DIR
 
 
 def load_prompts(eval_dir: str | Path, benchmark: str, limit: int | None = None) -> list[str]:

@@ -200,7 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated JSONL names in the eval dir (default gsm8k,humaneval,mt-bench)",
     )
     parser.add_argument(
-        "--eval-dir", default=None, help="benchmark folder ($DSPARK_EVAL_DIR, ../shared/eval)"
+        "--eval-dir", default=None, help="benchmark folder ($DSPARK_EVAL_DIR, else the packaged eval sets)"
     )
     parser.add_argument("--limit", type=int, default=10, help="prompts per benchmark (10)")
     parser.add_argument(
