@@ -1023,9 +1023,17 @@ def test_loadtest_ships_loadtest_sla_py_unchanged():
     ).read_bytes(), (
         "helm/dspark/files/sla.py must be a copy of loadtest/sla.py: cp loadtest/sla.py helm/dspark/files/sla.py"
     )
+    assert (CHART / "files" / "loadmetrics.py").read_bytes() == (
+        REPO / "sglang_dspark" / "loadmetrics.py"
+    ).read_bytes(), (
+        "helm/dspark/files/loadmetrics.py must be a copy of sglang_dspark/loadmetrics.py: "
+        "cp sglang_dspark/loadmetrics.py helm/dspark/files/loadmetrics.py"
+    )
     docs = render(PROFILES["qwen3-8b-dspark"], FULL)
     cm = find(docs, "ConfigMap", "dspark-loadtest")
     assert cm["data"]["sla.py"] == (REPO / "loadtest" / "sla.py").read_text().rstrip("\n")
+    metrics = (REPO / "sglang_dspark" / "loadmetrics.py").read_text().rstrip("\n")
+    assert cm["data"]["loadmetrics.py"] == metrics
 
 
 def test_loadtest_job_runs_the_sweep_against_the_router():
@@ -1059,7 +1067,10 @@ def test_loadtest_from_the_configmap_sweeps_and_stops_by_itself(fake_server, tmp
     docs = render(PROFILES["qwen3-8b-dspark"], FULL)
     locust = container(find(docs, "Job")["spec"]["template"], "locust")
     script = tmp_path / "sla.py"
-    script.write_text(find(docs, "ConfigMap", "dspark-loadtest")["data"]["sla.py"])
+    data = find(docs, "ConfigMap", "dspark-loadtest")["data"]
+    script.write_text(data["sla.py"])
+    # as in the Job's image: the chart's copy of the metrics beside the script is what runs
+    (tmp_path / "loadmetrics.py").write_text(data["loadmetrics.py"] + '\nSCHEMA = "chart-copy"\n')
     env = {e["name"]: e["value"] for e in locust["env"]}
     env |= {"SLA_USERS": "1,2", "SLA_STAGE_SECONDS": "2", "SLA_OUTPUT_DIR": str(tmp_path / "out")}
     args = locust["args"]
@@ -1078,6 +1089,7 @@ def test_loadtest_from_the_configmap_sweeps_and_stops_by_itself(fake_server, tmp
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((tmp_path / "out" / "sla_summary.json").read_text())
     assert [stage["users"] for stage in summary["stages"]] == [1, 2]
+    assert summary["schema"] == "chart-copy"  # the copy beside the script is what ran
     for stage in summary["stages"]:
         assert stage["requests"] > 0 and stage["failures"] == 0
         assert stage["user_tok_s_p50"] > 0 and stage["ttft_p50_s"] > 0
