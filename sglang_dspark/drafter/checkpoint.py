@@ -11,6 +11,12 @@ So export is a save, and loading our own export goes through the same validation
 DeepSpec checkpoint (which additionally carries ``embed_tokens`` / ``lm_head`` and may prefix
 names with ``model.``; both are handled here).
 
+An SGLang MTP-1 draft (``mtp.py``, served by the EAGLE3 worker as ``LlamaForCausalLMEagle3``)
+is ``config.json`` (:meth:`MtpDraftConfig.to_sglang_dict`) plus ``model.safetensors`` holding
+``layers.0.self_attn.{q,k,v,o}_proj.weight`` (q/k/v read the 2H-wide [e; h] input),
+``layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
+``layers.0.mlp.{gate,up,down}_proj.weight`` and ``norm.weight``; see the MTP section below.
+
 Only safetensors are read from checkpoints; pickles never. Training checkpoints (our own,
 for resume) are loaded with ``torch.load(weights_only=True)``.
 """
@@ -31,6 +37,8 @@ from safetensors.torch import save_file
 
 from .config import DraftConfigError, DSparkDraftConfig, _as_dict, validate_draft_for_target
 from .model import DSparkDrafter, init_weights
+from .mtp import SGLANG_MTP_ARCHITECTURE as MTP_ARCHITECTURE
+from .mtp import MtpDraftConfig, MtpDrafter, is_mtp_config
 from .target import load_target_config
 
 logger = logging.getLogger(__name__)
@@ -196,6 +204,11 @@ def load_draft(
     also checked against the target (:func:`validate_draft_for_target`).
     """
     draft_dir = Path(draft_dir)
+    if is_mtp_config(_read_config_json(draft_dir)):
+        raise DraftCheckpointError(
+            f"{draft_dir} is an MTP-1 draft ({MTP_ARCHITECTURE}), not a DSpark one; load it "
+            "with load_mtp_draft (or train it with --drafter mtp)."
+        )
     try:
         config = DSparkDraftConfig.load(draft_dir)
         config.check()
@@ -251,12 +264,18 @@ def load_training_checkpoint(path: str | Path) -> dict[str, Any]:
         ) from e
 
 
-def drafter_from_training_checkpoint(path: str | Path) -> DSparkDrafter:
+def drafter_from_training_checkpoint(path: str | Path) -> DSparkDrafter | MtpDrafter:
     state = load_training_checkpoint(path)
     if "draft_config" not in state or "model" not in state:
         raise DraftCheckpointError(
             f"{path} is not a sglang-dspark training checkpoint (no draft_config / model)."
         )
+    if is_mtp_config(state["draft_config"]):
+        mtp_config = MtpDraftConfig.from_dict(state["draft_config"])
+        _check_mtp_tensors(mtp_config, state["model"], source=str(path))
+        mtp = MtpDrafter(mtp_config)
+        mtp.load_state_dict(state["model"], strict=True)
+        return mtp
     config = DSparkDraftConfig.from_dict(state["draft_config"])
     drafter = DSparkDrafter(config)
     _check_tensors(config, state["model"], source=str(path))
@@ -279,9 +298,16 @@ def export(
     if src.is_file():
         drafter = drafter_from_training_checkpoint(src)
         if target_dir is not None:
-            problems = validate_draft_for_target(drafter.config, load_target_config(target_dir))
+            target_config = load_target_config(target_dir)
+            problems = (
+                drafter.config.problems_for_target(target_config)
+                if isinstance(drafter, MtpDrafter)
+                else validate_draft_for_target(drafter.config, target_config)
+            )
             if problems:
                 raise DraftCheckpointError("\n  - ".join([f"{src}:"] + problems))
+    elif src.is_dir() and is_mtp_config(_read_config_json(src)):
+        drafter = load_mtp_draft(src, target_config=target_dir)
     elif src.is_dir():
         drafter = load_draft(src, target_config=target_dir)
     else:
@@ -289,13 +315,18 @@ def export(
             f"{src} does not exist; pass a training checkpoint (.pt), a training output "
             "directory or a draft directory."
         )
+    if isinstance(drafter, MtpDrafter):
+        return save_mtp_draft(drafter, out_dir, dtype=dtype)
     return save_draft(drafter, out_dir, dtype=dtype)
 
 
 def validate_checkpoint(draft_dir: str | Path, target_dir: str | Path | None = None) -> list[str]:
     """Everything wrong with a draft directory (empty when it loads and fits the target)."""
     try:
-        load_draft(draft_dir, target_config=target_dir)
+        if is_mtp_config(_read_config_json(Path(draft_dir))):
+            load_mtp_draft(draft_dir, target_config=target_dir)
+        else:
+            load_draft(draft_dir, target_config=target_dir)
     except (DraftCheckpointError, DraftConfigError) as e:
         return [str(e)]
     return []
@@ -336,6 +367,163 @@ def init_random_draft(
     return save_draft(drafter, out_dir, dtype=dtype)
 
 
+# ---------------------------------------------------------------------------- MTP-1 drafts
+# Legacy names SGLang's LlamaForCausalLMEagle3.load_weights rewrites (EAGLE / SpecForge).
+_MTP_LEGACY_NAMES = {"midlayer.": "layers.0."}
+# fc.weight: SGLang builds fc [H, 3H] (3 = its default aux-layer count) but
+# LlamaModel.forward applies it only when the incoming hidden width differs from H, which
+# never happens with use_aux_hidden_state false (the target hands over its final hidden
+# state, width H). It is therefore not exported (a tensor nobody reads would only suggest it
+# matters) and ignored when another tool's export carries it.
+_MTP_IGNORED = ("fc.weight", "fc.bias")
+
+
+def _read_config_json(draft_dir: Path) -> dict[str, Any]:
+    """config.json as a dict, or {} when absent / unreadable (the loaders report that)."""
+    try:
+        return json.loads((Path(draft_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _check_mtp_tensors(
+    config: MtpDraftConfig, tensors: Mapping[str, torch.Tensor], *, source: str
+) -> None:
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in MtpDrafter(config).state_dict().items()}
+    problems = []
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        problems.append(
+            f"missing tensors {missing}: SGLang would leave these parameters uninitialised and "
+            "serve garbage without an error. Re-export the draft with `sglang-dspark export`."
+        )
+    reduced = sorted(n for n in tensors if n in ("d2t", "t2d"))
+    if reduced:
+        problems.append(
+            f"{reduced}: a reduced draft vocabulary (hot-token map) is not supported; this "
+            "drafter predicts over the full target vocabulary."
+        )
+    unexpected = sorted(set(tensors) - set(expected) - set(reduced))
+    if unexpected:
+        problems.append(
+            f"unexpected tensors {unexpected[:8]}: they belong to no parameter of a 1-layer "
+            "MTP draft (more layers, or not an MTP-1 draft)."
+        )
+    for name in sorted(set(expected) & set(tensors)):
+        got, want = tuple(tensors[name].shape), expected[name]
+        if got != want:
+            why = ""
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+                why = (
+                    f" q/k/v read the concatenated [emb; hidden] input, 2 x hidden_size = "
+                    f"{2 * config.hidden_size} wide; config.json and the weights disagree."
+                )
+            problems.append(f"{name} has shape {list(got)}, expected {list(want)}.{why}")
+    if problems:
+        raise DraftCheckpointError(f"{source}: " + " ".join(problems))
+
+
+def save_mtp_draft(
+    drafter: MtpDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Write an SGLang-loadable MTP-1 draft (config.json + model.safetensors), atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.to(dtype).contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
+    _check_mtp_tensors(drafter.config, state, source="export")
+    tmp = out / f".{WEIGHTS_NAME}.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS_NAME)
+    raw = drafter.config.to_sglang_dict()
+    raw["torch_dtype"] = {v: k for k, v in _DTYPES.items()}[dtype]
+    tmp_cfg = out / ".config.json.tmp"
+    tmp_cfg.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp_cfg, out / "config.json")
+    logger.info("wrote SGLang MTP-1 draft to %s (%d tensors)", out, len(state))
+    return out
+
+
+def load_mtp_draft(draft_dir: str | Path, *, target_config: Any = None) -> MtpDrafter:
+    """Load an MTP-1 draft directory (our export, or an EAGLE3-format one without aux
+    layers); with ``target_config`` (HF config / dict / target directory) check it fits."""
+    draft_dir = Path(draft_dir)
+    try:
+        config = MtpDraftConfig.load(draft_dir)
+        config.check()
+    except DraftConfigError as e:
+        raise DraftCheckpointError(f"{draft_dir}: {e}") from e
+    own, shared = {}, {}
+    for name, t in read_checkpoint_tensors(draft_dir).items():
+        n = name.removeprefix("model.")
+        for legacy, new in _MTP_LEGACY_NAMES.items():
+            n = n.replace(legacy, new)
+        if n in _MTP_IGNORED:
+            continue
+        (shared if n.startswith(_SHARED_PREFIXES) else own)[n] = t
+    if target_config is not None:
+        if isinstance(target_config, (str, Path)):
+            target_config = load_target_config(target_config)
+        problems = config.problems_for_target(target_config)
+        if problems:
+            raise DraftCheckpointError(
+                f"{draft_dir} does not fit the target:\n  - " + "\n  - ".join(problems)
+            )
+    _check_mtp_tensors(config, own, source=str(draft_dir))
+    drafter = MtpDrafter(config)
+    drafter.load_state_dict({k: v.float() for k, v in own.items()}, strict=True)
+    return drafter
+
+
+def init_random_mtp_draft(
+    target_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """A randomly initialised MTP-1 draft for the target in ``target_dir`` (same init and
+    export path as training)."""
+    target_config = load_target_config(target_dir)
+    config = MtpDraftConfig.for_target(target_config)
+    problems = config.problems_for_target(target_config)
+    if problems:
+        raise DraftConfigError("cannot build this MTP draft:\n  - " + "\n  - ".join(problems))
+    drafter = MtpDrafter(config)
+    init_weights(drafter, seed=seed)
+    return save_mtp_draft(drafter, out_dir, dtype=dtype)
+
+
+def sglang_mtp_load_check(draft_dir: str | Path):
+    """Build SGLang 0.5.23's own ``LlamaForCausalLMEagle3`` on the CPU from
+    ``draft_dir``/config.json and run its ``load_weights`` on our safetensors (its name
+    mapping, q/k/v and gate/up fusion, shape checks), without a server. Returns the module;
+    its forward needs a ForwardBatch and an attention backend (tests use a reference one)."""
+    import contextlib
+    import importlib
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(draft_dir))
+    rope_base = importlib.import_module("sglang.srt.layers.rotary_embedding.base")
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    single = SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
+    saved_is_cpu = rope_base._is_cpu
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(get_context().override_server_args(device="cpu"))
+        stack.enter_context(get_parallel().override(pp_group=single, tp_rank=0, tp_size=1))
+        rope_base._is_cpu = True  # CPU RoPE path (otherwise it asks for vllm's CUDA op)
+        try:
+            model = LlamaForCausalLMEagle3(hf_config)
+            model.load_weights(iter(read_checkpoint_tensors(draft_dir).items()))
+        finally:
+            rope_base._is_cpu = saved_is_cpu
+    return model
+
+
 # ---------------------------------------------------------------------------- CLI
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.replace(",", " ").split()]
@@ -359,6 +547,13 @@ def run_export(args: argparse.Namespace) -> int:
 def add_make_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="target model directory (Hugging Face format)")
     parser.add_argument("out", help="output draft directory")
+    parser.add_argument(
+        "--kind",
+        default="dspark",
+        choices=["dspark", "mtp"],
+        help="dspark (Qwen3DSparkModel) or mtp (MTP-1 / NextN layer, LlamaForCausalLMEagle3); "
+        "mtp ignores the DSpark shape flags",
+    )
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--markov-rank", type=int, default=256)
@@ -375,6 +570,12 @@ def add_make_draft_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_make_draft(args: argparse.Namespace) -> int:
+    if args.kind == "mtp":
+        out = init_random_mtp_draft(
+            args.target, args.out, seed=args.seed, dtype=_DTYPES[args.dtype]
+        )
+        print(out)
+        return 0
     out = init_random_draft(
         args.target,
         args.out,
@@ -404,7 +605,7 @@ def _cli(add, run, description: str, argv: Iterable[str] | None) -> int:
 
 
 def export_main(argv: Iterable[str] | None = None) -> int:
-    return _cli(add_export_arguments, run_export, "Export an SGLang DSpark draft.", argv)
+    return _cli(add_export_arguments, run_export, "Export an SGLang DSpark / MTP draft.", argv)
 
 
 def make_draft_main(argv: Iterable[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Train a DSpark drafter against a frozen Hugging Face target.
+"""Train a DSpark drafter (or the MTP-1 baseline, ``--drafter mtp``) against a frozen target.
 
     python -m sglang_dspark.drafter.train --data train.jsonl --target TARGET_DIR --out-dir RUN
     torchrun --nproc_per_node 2 -m sglang_dspark.drafter.train ...      (gloo on CPU)
@@ -20,6 +20,12 @@ gradients are summed over ranks, so N ranks compute the same update as one.
 Anchors and data order are functions of (seed, epoch, sample index) only: a resumed run
 replays exactly what an uninterrupted one would have done.
 
+``--drafter mtp`` trains the MTP-1 / NextN baseline (``mtp.py``, ``train_mtp.py``) with
+everything else shared: data, schedule, optimiser, loss (0.1 CE + 0.9 TV), checkpoints,
+resume, feature cache, torchrun, metrics. Budget: both kinds push at most
+``global_batch_size x num_anchors x block_size`` positions through the LM head per step;
+metrics.jsonl logs the actual count (``lm_head_positions``) and that cap (``lm_head_budget``).
+
 Checkpoints: ``OUT/checkpoints/latest.pt`` every ``checkpoint_every`` steps (tmp file +
 os.replace, so a kill -9 loses at most the steps since the last one); a rerun with the same
 ``--out-dir`` resumes from it. The final drafter is exported to ``OUT/draft`` (SGLang format).
@@ -38,7 +44,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -64,7 +70,9 @@ class TrainConfig:
     data: str  # JSONL file or directory of *.jsonl
     target: str  # target model directory (Hugging Face format)
     out_dir: str
-    # Drafter shape (ignored when init_draft is given).
+    drafter: str = "dspark"  # dspark | mtp (MTP-1 baseline; see train_mtp.py)
+    # Drafter shape (ignored when init_draft is given). mtp uses block_size and num_anchors only
+    # for its budget (num_anchors x block_size positions per sequence) and ignores the rest.
     block_size: int = 7  # gamma
     num_layers: int = 1
     markov_rank: int = 256
@@ -337,9 +345,33 @@ class StepStats:
     lr: float
     grad_norm: float
     per_term: dict[str, float] = field(default_factory=dict)
+    lm_head_positions: int = 0  # budget: drafter positions through the LM head this step
+
+
+DRAFTER_KINDS = ("dspark", "mtp")
 
 
 class Trainer:
+    """The DSpark trainer; ``Trainer(cfg)`` with ``cfg.drafter == "mtp"`` builds the MTP-1
+    subclass (``train_mtp.MtpTrainer``), which overrides only the drafter-specific hooks
+    (draft config, target features, build, plan, micro-batch, loss, export)."""
+
+    kind = "dspark"
+    loss_terms: tuple[str, ...] = ("ce", "tv", "conf")
+
+    def __new__(cls, cfg: TrainConfig, *args: Any, **kwargs: Any) -> Self:
+        klass: type[Trainer] = cls
+        if cls is Trainer and cfg.drafter != cls.kind:
+            if cfg.drafter != "mtp":
+                raise DraftConfigError(
+                    f"drafter {cfg.drafter!r} is not one of {DRAFTER_KINDS}; pass --drafter "
+                    "dspark or --drafter mtp."
+                )
+            from .train_mtp import MtpTrainer
+
+            klass = MtpTrainer
+        return super().__new__(klass)
+
     def __init__(self, cfg: TrainConfig, *, dist_ctx: _Dist | None = None) -> None:
         self.cfg = cfg
         self.dist = dist_ctx or _Dist()
@@ -353,11 +385,12 @@ class Trainer:
         self.ckpt_path = self.out_dir / "checkpoints" / "latest.pt"
         target_config = load_target_config(cfg.target)
         self.draft_config = self._draft_config(target_config)
-        problems = validate_draft_for_target(self.draft_config, target_config)
+        problems = self._draft_problems(target_config)
         if problems:
             raise DraftConfigError("cannot train this drafter:\n  - " + "\n  - ".join(problems))
+        self._check_loss_options()
         self.target = TargetAdapter.from_pretrained(
-            cfg.target, self.draft_config.target_layer_ids, dtype=getattr(torch, cfg.target_dtype)
+            cfg.target, self._target_layer_ids(), dtype=getattr(torch, cfg.target_dtype)
         )
         self.drafter = self._build_drafter()
         self.drafter.attach_shared(self.target.embed_weight, self.target.lm_head_weight)
@@ -379,11 +412,7 @@ class Trainer:
             self.optimizer, warmup_cosine(self.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
         )
         self.bf16 = _use_bf16(cfg.precision)
-        if cfg.dense_anchors and not cfg.mse_weight:
-            raise DraftConfigError(
-                f"dense_anchors={cfg.dense_anchors} needs mse_weight > 0: dense blocks are "
-                "supervised by the centred-logit MSE only"
-            )
+        self.lm_head_budget = cfg.global_batch_size * cfg.num_anchors * cfg.block_size
         self._gram = LogitGram(self.target.lm_head_weight) if cfg.mse_weight else None
         self._features: dict[int, TargetFeatures] = {}
         self._feature_bytes = 0
@@ -391,7 +420,22 @@ class Trainer:
         if cfg.resume and self.ckpt_path.is_file():
             self._resume()
 
-    # -------------------------------------------------------------- setup
+    # -------------------------------------------------------------- setup (drafter hooks)
+    def _check_loss_options(self) -> None:
+        cfg = self.cfg
+        if cfg.dense_anchors and not cfg.mse_weight:
+            raise DraftConfigError(
+                f"dense_anchors={cfg.dense_anchors} needs mse_weight > 0: dense blocks are "
+                "supervised by the centred-logit MSE only"
+            )
+
+    def _draft_problems(self, target_config: dict) -> list[str]:
+        return validate_draft_for_target(self.draft_config, target_config)
+
+    def _target_layer_ids(self) -> list[int]:
+        """Target layers whose outputs the drafter reads (the adapter captures them)."""
+        return list(self.draft_config.target_layer_ids)
+
     def _draft_config(self, target_config: dict) -> DSparkDraftConfig:
         cfg = self.cfg
         if cfg.init_draft:
@@ -409,7 +453,7 @@ class Trainer:
             confidence_head_with_markov=True,
         )
 
-    def _build_drafter(self) -> DSparkDrafter:
+    def _build_drafter(self) -> torch.nn.Module:
         if self.cfg.init_draft:
             drafter = load_draft(self.cfg.init_draft, target_config=self.target.config)
         else:
@@ -479,6 +523,19 @@ class Trainer:
             plan.append((seq, block_targets(seq, full, gamma), block_targets(seq, dense, gamma)))
         return plan
 
+    def _weight_totals(self, plan: list) -> torch.Tensor:
+        """This rank's [loss normaliser, MSE normaliser]: sums of w_k over supervised
+        positions (all-reduced by the caller, so the loss is normalised globally)."""
+        w = position_weights(self.draft_config.block_size, self.cfg.decay)
+        full_w = torch.stack([(bt.valid.float() * w).sum() for _, bt, _ in plan]).sum()
+        dense_w = torch.stack([(d.valid.float() * w).sum() for _, _, d in plan]).sum()
+        return torch.stack([full_w, full_w + dense_w])
+
+    def _lm_head_positions(self, plan: list) -> int:
+        """Budget: rows through the vocabulary projection (every full block's gamma rows;
+        dense blocks use the Gram-matrix MSE, no LM head)."""
+        return sum(bt.anchors.numel() for _, bt, _ in plan) * self.draft_config.block_size
+
     def _micro_batch(self, items: Sequence[tuple[TokenSequence, BlockTargets, BlockTargets]]):
         """Run the target and pack every block of ``items`` into one drafter layout: each
         sequence's full-loss blocks, then its dense (MSE-only) blocks."""
@@ -541,7 +598,7 @@ class Trainer:
         cached = self._features.get(seq.index)
         if cached is not None:
             return cached
-        feats = self.target.features(seq.input_ids)
+        feats = self._compute_features(seq.input_ids)
         size = (feats.context.numel() + feats.final_hidden.numel()) * feats.context.element_size()
         if seq.index >= 0 and self._feature_bytes + size <= self.cfg.feature_cache_gb * 2**30:
             feats = TargetFeatures(feats.context.clone(), feats.final_hidden.clone())
@@ -549,19 +606,19 @@ class Trainer:
             self._feature_bytes += size
         return feats
 
+    def _compute_features(self, input_ids: torch.Tensor) -> TargetFeatures:
+        return self.target.features(input_ids)
+
     def train_step(self) -> StepStats:
         cfg = self.cfg
         plan = self._plan(self.step)
-        w = position_weights(self.draft_config.block_size, cfg.decay)
-        full_w = torch.stack([(bt.valid.float() * w).sum() for _, bt, _ in plan]).sum()
-        dense_w = torch.stack([(d.valid.float() * w).sum() for _, _, d in plan]).sum()
-        totals_w = self.dist.all_reduce_(torch.stack([full_w, full_w + dense_w]))
+        totals_w = self.dist.all_reduce_(self._weight_totals(plan))
         weight_total, mse_weight_total = totals_w[0], totals_w[1]
         totals = LossSums.zeros()
         tokens = 0
         for i in range(0, len(plan), cfg.micro_batch_size):
             items = plan[i : i + cfg.micro_batch_size]
-            tokens += sum(seq.input_ids.numel() for seq, _, _ in items)
+            tokens += sum(item[0].input_ids.numel() for item in items)
             mb = self._micro_batch(items)
             if mb is None:
                 continue
@@ -579,13 +636,13 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        stats = self.dist.all_reduce_(
-            torch.cat([totals.as_tensor(), torch.tensor([float(tokens)])])
-        )
-        ce, tv, conf, weight, accept, count, mse, mse_weight, tok = stats.tolist()
+        counts = torch.tensor([float(tokens), float(self._lm_head_positions(plan))])
+        stats = self.dist.all_reduce_(torch.cat([totals.as_tensor(), counts]))
+        ce, tv, conf, weight, accept, count, mse, mse_weight, tok, lm_rows = stats.tolist()
         denom = max(weight, 1e-6)
         lw = cfg.loss_weights
         per_term = {"ce": ce / denom, "tv": tv / denom, "conf": conf / denom}
+        per_term = {k: v for k, v in per_term.items() if k in self.loss_terms}
         loss = (lw.ce * ce + lw.tv * tv + lw.conf * conf) / denom
         if lw.mse:
             per_term["mse"] = mse / max(mse_weight, 1e-6)
@@ -597,6 +654,7 @@ class Trainer:
             lr=lr,
             grad_norm=float(grad_norm),
             per_term=per_term,
+            lm_head_positions=int(lm_rows),
         )
 
     def _micro_batch_loss(self, mb: _MicroBatch) -> LossSums:
@@ -638,7 +696,13 @@ class Trainer:
         if self.dist.main and cfg.progress and self.step < end:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=self.total_steps, initial=self.step, desc="dspark", unit="step")
+            bar = tqdm(total=self.total_steps, initial=self.step, desc=self.kind, unit="step")
+        if self.dist.main and self.step < end:
+            logger.info(
+                "%s: budget %d LM-head positions per step (global_batch_size %d x num_anchors "
+                "%d x block_size %d)", self.kind, self.lm_head_budget, cfg.global_batch_size,
+                cfg.num_anchors, cfg.block_size,
+            )  # fmt: skip
         metrics = (self.out_dir / "metrics.jsonl").open("a") if self.dist.main else None
         t0, tokens = time.perf_counter(), 0
         try:
@@ -652,7 +716,8 @@ class Trainer:
                         loss=f"{stats.loss:.4f}", acc=f"{stats.accept:.3f}", tok_s=f"{tok_s:.0f}"
                     )
                 if metrics is not None:
-                    rec = {"step": self.step, **dataclasses.asdict(stats), "tok_s": tok_s}
+                    rec = {"step": self.step, **dataclasses.asdict(stats), "tok_s": tok_s,
+                           "lm_head_budget": self.lm_head_budget}  # fmt: skip
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
                 if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
@@ -688,6 +753,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction)
+        elif f.name == "drafter":
+            parser.add_argument(flag, dest=f.name, choices=DRAFTER_KINDS, help="default dspark")
         elif f.name == "target_layer_ids":
             parser.add_argument(flag, dest=f.name, type=_int_list, help="e.g. 1,8,15,22,27")
         else:
@@ -726,7 +793,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Train a DSpark drafter (see module doc).")
+    parser = argparse.ArgumentParser(
+        description="Train a DSpark (or --drafter mtp: MTP-1) drafter (see module doc)."
+    )
     add_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
@@ -736,4 +805,8 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run the importable module's main, not this __main__ copy: MtpTrainer subclasses the
+    # importable Trainer, and Trainer(cfg)'s dispatch needs that one class identity.
+    import importlib
+
+    raise SystemExit(importlib.import_module("sglang_dspark.drafter.train").main())
