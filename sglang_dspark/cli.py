@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 
 
@@ -39,10 +40,11 @@ def _cmd_embedded(args: argparse.Namespace) -> int:
 
     paths = embedded.ensure(dtype=args.dtype)
     if args.print_command:
-        env = " ".join(f"{k}={v}" for k, v in embedded.launch_env({}).items())
-        print(env + " " + " ".join(embedded.launch_command(paths, port=args.port)))
+        env = embedded.launch_env({}) if args.arm == "dspark" else embedded.CPU_ENV
+        cmd = embedded.launch_command(paths, port=args.port, dtype=args.dtype, arm=args.arm)
+        print(" ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd))
     else:
-        print(f"target: {paths.target}\ndraft:  {paths.draft}")
+        print(f"target: {paths.target}\ndraft:  {paths.draft}\nmtp1:   {paths.mtp1_draft}")
     return 0
 
 
@@ -72,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--print-command", action="store_true", help="print the launch command")
+    p.add_argument(
+        "--arm", default="dspark", choices=["dspark", "mtp1", "plain"],
+        help="what --print-command starts: DSPARK (default), the MTP-1 baseline (EAGLE3 worker, "
+        "one draft token per round) or no speculation",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_embedded)
 
     for name, module, add, run, text in [
@@ -93,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
          "build training prompts and target-regenerated responses"),
         ("sps", "sglang_dspark.sps", "add_arguments", "run",
          "SPS(B) cost table: profile on the embedded server, plot"),
+        ("pareto", "sglang_dspark.pareto", "add_arguments", "run",
+         "Pareto curves (Figures 7, 8) from loadtest/sla.py summaries"),
     ]:
         p = sub.add_parser(name, help=text)
         add_fn, run_fn = _lazy(module, add, run)

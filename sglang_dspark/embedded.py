@@ -1,9 +1,15 @@
 """The embedded default: SmolLM2-135M-Instruct + a DSpark drafter, served by SGLang on CPU.
 
-`ensure()` prepares both directories (idempotent) and `launch_command()` gives the exact
-`python -m sglang.launch_server --speculative-algorithm DSPARK ...` line with the settings a
-2-core, no-GPU machine needs: the CPU engine, the torch_native attention backend, and a KV
-cache sized to the machine (SGLang's default would reserve ~13 GB).
+`ensure()` prepares the target and both drafters (idempotent) and `launch_command()` gives the
+exact `python -m sglang.launch_server ...` line with the settings a 2-core, no-GPU machine
+needs: the CPU engine, the torch_native attention backend, and a KV cache sized to the machine
+(SGLang's default would reserve ~13 GB). Three arms share everything but speculation:
+
+- `dspark`: `--speculative-algorithm DSPARK` with the shipped DSpark drafter (the default);
+- `mtp1`: the MTP-1 baseline, SGLang's EAGLE worker with one draft token per round
+  (`--speculative-algorithm EAGLE3 --speculative-num-steps 1 --speculative-eagle-topk 1
+  --speculative-num-draft-tokens 2`) and the shipped MTP-style drafter;
+- `plain`: no speculation.
 """
 
 from __future__ import annotations
@@ -17,6 +23,13 @@ from sglang_dspark.cache import cache_dir
 
 # The drafter this project trained for SmolLM2 (see its README for the command and seed).
 SHIPPED_DRAFT = Path(__file__).resolve().parent / "assets" / "smollm2-dspark"
+# Its MTP-1 baseline: one NextN-style block, trained by the same trainer (see its README).
+SHIPPED_MTP1_DRAFT = Path(__file__).resolve().parent / "assets" / "smollm2-mtp1"
+ARMS = ("dspark", "mtp1", "plain")
+MTP1_ARGS = (
+    "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1",
+    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2",
+)  # fmt: skip
 MAX_TOTAL_TOKENS = 16384
 MAX_RUNNING_REQUESTS = 16
 
@@ -32,27 +45,40 @@ class EmbeddedPaths:
     target: Path
     draft: Path
     draft_is_trained: bool
+    mtp1_draft: Path
+    mtp1_is_trained: bool
 
 
 def random_draft_dir() -> Path:
     return cache_dir() / "smollm2-dspark-random"
 
 
+def random_mtp1_draft_dir() -> Path:
+    return cache_dir() / "smollm2-mtp1-random"
+
+
 def ensure(dtype: str = "bfloat16") -> EmbeddedPaths:
-    """Convert SmolLM2 once and pick the drafter: the shipped trained one, else a random one."""
+    """Convert SmolLM2 once and pick each drafter: the shipped trained one, else a random one."""
+    import torch
+
     from sglang_dspark.smollm2 import ensure_smollm2
 
     target = ensure_smollm2(dtype=dtype)
-    if (SHIPPED_DRAFT / "config.json").exists():
-        return EmbeddedPaths(target, SHIPPED_DRAFT, True)
-    draft = random_draft_dir()
-    if not (draft / "config.json").exists():
-        import torch
-
+    draft, trained = SHIPPED_DRAFT, True
+    if not (SHIPPED_DRAFT / "config.json").exists():
         from sglang_dspark.drafter.checkpoint import init_random_draft
 
-        init_random_draft(target, draft, seed=0, dtype=getattr(torch, dtype))
-    return EmbeddedPaths(target, draft, False)
+        draft, trained = random_draft_dir(), False
+        if not (draft / "config.json").exists():
+            init_random_draft(target, draft, seed=0, dtype=getattr(torch, dtype))
+    mtp1, mtp1_trained = SHIPPED_MTP1_DRAFT, True
+    if not (SHIPPED_MTP1_DRAFT / "config.json").exists():
+        from sglang_dspark.drafter.checkpoint import init_random_mtp_draft
+
+        mtp1, mtp1_trained = random_mtp1_draft_dir(), False
+        if not (mtp1 / "config.json").exists():
+            init_random_mtp_draft(target, mtp1, seed=0, dtype=getattr(torch, dtype))
+    return EmbeddedPaths(target, draft, trained, mtp1, mtp1_trained)
 
 
 def launch_command(
@@ -61,8 +87,12 @@ def launch_command(
     port: int = 30000,
     dtype: str = "bfloat16",
     speculative: bool = True,
+    arm: str = "dspark",
     extra: list[str] | None = None,
 ) -> list[str]:
+    """The launch command of one arm (`speculative=False` is the `plain` arm)."""
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose one of {', '.join(ARMS)}")
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(paths.target),
@@ -75,7 +105,9 @@ def launch_command(
         "--host", "127.0.0.1",
         "--port", str(port),
     ]  # fmt: skip
-    if speculative:
+    if speculative and arm == "mtp1":
+        cmd += [*MTP1_ARGS, "--speculative-draft-model-path", str(paths.mtp1_draft)]
+    elif speculative and arm == "dspark":
         cmd += [
             "--speculative-algorithm", "DSPARK",
             "--speculative-draft-model-path", str(paths.draft),

@@ -34,14 +34,17 @@ class ServerPool:
         self.max_live = max_live
         self.live: OrderedDict[tuple, object] = OrderedDict()
 
-    def get(self, paths, *, dtype="bfloat16", speculative=True, extra=(), env=None, draft=None):
+    def get(
+        self, paths, *, dtype="bfloat16", speculative=True, extra=(), env=None, draft=None,
+        arm="dspark",
+    ):  # fmt: skip
         from dataclasses import replace
 
         from sglang_dspark import embedded
         from sglang_dspark.server import SGLangServer, free_port
 
         env = dict(env or {})
-        key = (dtype, speculative, tuple(extra), tuple(sorted(env.items())), str(draft))
+        key = (dtype, speculative, arm, tuple(extra), tuple(sorted(env.items())), str(draft))
         if key in self.live:
             self.live.move_to_end(key)
             return self.live[key]
@@ -49,11 +52,12 @@ class ServerPool:
             _, old = self.live.popitem(last=False)
             old.stop()
         if draft is not None:
-            paths = replace(paths, draft=Path(draft))
+            field = "mtp1_draft" if arm == "mtp1" else "draft"
+            paths = replace(paths, **{field: Path(draft)})
         port = free_port()
         server = SGLangServer(
             cmd=embedded.launch_command(
-                paths, port=port, dtype=dtype, speculative=speculative, extra=list(extra)
+                paths, port=port, dtype=dtype, speculative=speculative, arm=arm, extra=list(extra)
             ),
             env={**embedded.launch_env(), **env},
             port=port,

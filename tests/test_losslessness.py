@@ -91,6 +91,26 @@ def test_broken_sampler_fails_the_same_test(servers, embedded_paths, prompt_ids,
     assert not report.passed, report.summary()
 
 
+def test_mtp1_baseline_temperature_1_matches_target_and_broken_sampler_does_not(
+    servers, embedded_paths, prompt_ids, reference
+):
+    """The MTP-1 baseline on CPU verifies temperature-1 requests by target-only rejection
+    sampling (upstream forces the target's argmax on CPU): the same per-position tests pass,
+    and fail when the sampler keeps every draft."""
+    samples, correct, proposed = _collect(servers.get(embedded_paths, arm="mtp1"), prompt_ids)
+    assert 0 < correct < proposed, f"{correct} of {proposed} drafts accepted"
+    report = compare_samples(samples, reference, POSITIONS, alpha=0.01)
+    assert len(report.tests) >= 6
+    assert report.passed, report.summary()
+    broken = servers.get(
+        embedded_paths, arm="mtp1", env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all"}
+    )
+    samples, correct, proposed = _collect(broken, prompt_ids)
+    assert correct == proposed  # every draft kept
+    report = compare_samples(samples, reference, POSITIONS, alpha=0.01)
+    assert not report.passed, report.summary()
+
+
 def test_audit_command_passes_on_dspark_and_fails_on_broken_sampler(servers, embedded_paths):
     """`sglang-dspark audit` against the embedded default (sync scheduling on): exit 0; then
     exit 1 for the same scheduling server with the sampler broken."""

@@ -34,6 +34,11 @@ UPSTREAM_FAILURE = {
     "dspark_sync_scheduler": "budget 8, Algorithm 1 on the current confidences: 1",
     "dspark_sps_startup": "is not the profiled one (flat: scheduling off)",
     "dspark_sts_recorder": "shape '[2, 5]' is invalid",
+    "eagle_cpu_chain_only": "a top-4 tree was accepted on CPU",
+    "eagle_torch_native_draft_extend": "EAGLE is not supported in attention backend torch_native",
+    "cpu_eagle_tree_ops": "build_tree_kernel_efficient_cpu is unavailable",
+    "cpu_eagle_sampling_verify": "verified greedily (target argmax)",
+    "cpu_row_argmax": "0 active drivers",
 }
 
 
@@ -52,6 +57,7 @@ def _run_probes(embedded_paths, bad_draft, plugins: bool) -> dict[str, dict]:
         PROBE_TARGET=str(embedded_paths.target),
         PROBE_DRAFT=str(embedded_paths.draft),
         PROBE_BAD_DRAFT=str(bad_draft),
+        PROBE_MTP_DRAFT=str(embedded_paths.mtp1_draft),
         SGLANG_USE_CPU_ENGINE="1",
     )
     if not plugins:

@@ -45,6 +45,39 @@ def test_greedy_dspark_equals_plain_token_for_token(servers, embedded_paths, tok
     assert all(m.get("spec_verify_ct", 0) > 0 for m in meta)
 
 
+def test_greedy_mtp1_baseline_equals_plain_token_for_token(servers, embedded_paths, tokenizer):
+    """The MTP-1 baseline (SGLang's EAGLE3 worker, one draft token per round, on CPU through
+    the plugin's EAGLE hooks): same 20 prompts, same float32 equality with the plain server."""
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in PROMPTS]
+    plain, _ = _greedy(servers.get(embedded_paths, dtype="float32", speculative=False), prompt_ids)
+    spec, meta = _greedy(servers.get(embedded_paths, dtype="float32", arm="mtp1"), prompt_ids)
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert a == b, f"prompt {i}: MTP-1 diverged from plain decoding"
+    assert all(m.get("spec_verify_ct", 0) > 0 for m in meta)
+    # one draft per round: each round commits 1 or 2 tokens, and some drafts were accepted
+    assert all(1.0 <= m["spec_accept_length"] <= 2.0 for m in meta)
+    assert sum(m["completion_tokens"] - m["spec_verify_ct"] for m in meta) > 0
+
+
+def test_mtp1_baseline_refuses_a_tree_on_cpu(embedded_paths, tmp_path):
+    """topk > 1 needs tree attention, which the CPU verify path does not have: refused at
+    start-up with the fix, before any weights load."""
+    import subprocess
+
+    from sglang_dspark import embedded
+
+    cmd = embedded.launch_command(embedded_paths, port=1, arm="mtp1")
+    i = cmd.index("--speculative-eagle-topk")
+    cmd[i + 1] = "4"
+    cmd[cmd.index("--speculative-num-steps") + 1] = "3"
+    cmd[cmd.index("--speculative-num-draft-tokens") + 1] = "8"
+    proc = subprocess.run(
+        cmd, env=embedded.launch_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode != 0
+    assert "--speculative-num-steps 1 --speculative-eagle-topk 1" in proc.stderr + proc.stdout
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dspark"])
 def test_openai_endpoints_stream_and_not(servers, embedded_paths, speculative):
     # float32: a cached prefix and a fresh prefill then give the same greedy tokens, so the
@@ -95,6 +128,14 @@ def test_dspark_serves_in_half_precision(servers, embedded_paths, tokenizer, dty
         assert a[:4] == b[:4]
     texts = [tokenizer.decode(ids) for ids in spec]
     assert all(t.strip() for t in texts)
+
+
+def test_server_info_reports_mtp1_baseline(servers, embedded_paths):
+    info = requests.get(servers.get(embedded_paths, arm="mtp1").base_url + "/server_info").json()
+    assert info["speculative_algorithm"] == "EAGLE3"
+    assert (info["speculative_num_steps"], info["speculative_eagle_topk"]) == (1, 1)
+    assert info["speculative_num_draft_tokens"] == 2
+    assert info["speculative_draft_model_path"] == str(embedded_paths.mtp1_draft)
 
 
 def test_server_info_reports_dspark(servers, embedded_paths):

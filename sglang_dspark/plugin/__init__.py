@@ -20,6 +20,7 @@ def _hooks():
     from sglang_dspark.plugin import (
         cpu_attention,
         cpu_dspark,
+        cpu_eagle,
         cpu_kernels,
         cpu_markov,
         cpu_sampling,
@@ -31,6 +32,7 @@ def _hooks():
     return {
         **cpu_kernels.HOOKS,
         **cpu_dspark.HOOKS,
+        **cpu_eagle.HOOKS,
         **cpu_attention.HOOKS,
         **cpu_markov.HOOKS,
         **cpu_sampling.HOOKS,

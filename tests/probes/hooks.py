@@ -368,6 +368,144 @@ def dspark_sts_recorder():
     assert shard["verified"].tolist() == [2, 4]
 
 
+# ------------------------------------------------------------------ MTP-1 (EAGLE worker) on CPU
+
+
+def _resolve_eagle(*spec: str):
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args([
+        "--model-path", os.environ["PROBE_TARGET"], "--device", "cpu",
+        "--attention-backend", "torch_native", "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", os.environ["PROBE_MTP_DRAFT"], *spec,
+    ])  # fmt: skip
+    args.resolve_once()
+    return args
+
+
+@probe
+def eagle_cpu_chain_only():
+    from sglang.srt.arg_groups.speculative_hook import resolved_view
+
+    mtp1 = resolved_view(_resolve_eagle(
+        "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "2",
+    ))  # fmt: skip
+    assert (mtp1.speculative_eagle_topk, mtp1.speculative_num_draft_tokens) == (1, 2)
+    try:
+        _resolve_eagle(
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+            "--speculative-num-draft-tokens", "8",
+        )  # fmt: skip
+    except ValueError as exc:
+        assert "--speculative-num-steps 1 --speculative-eagle-topk 1" in str(exc), exc
+        return
+    raise AssertionError("a top-4 tree was accepted on CPU, whose verify attention is a chain")
+
+
+@probe
+def eagle_torch_native_draft_extend():
+    from sglang.srt.speculative import draft_utils
+
+    runner = SimpleNamespace(
+        draft_attention_backend="torch_native", device="cpu", req_to_token_pool=None,
+        token_to_kv_pool=None, model_config=SimpleNamespace(hf_config=None, hf_text_config=None),
+    )  # fmt: skip
+    saved = draft_utils.get_spec, draft_utils.attention_backends
+    draft_utils.get_spec = lambda: SimpleNamespace(speculative_attention_mode="prefill")
+    draft_utils.attention_backends = lambda: ("torch_native", "torch_native")
+    try:
+        factory = draft_utils.DraftBackendFactory(runner, topk=1, speculative_num_steps=1)
+        assert factory.create_decode_backend() is None  # one step: no multi-step backend
+        backend = factory.create_draft_extend_backend()
+    finally:
+        draft_utils.get_spec, draft_utils.attention_backends = saved
+    assert type(backend).__name__ == "TorchNativeAttnBackend", backend
+    assert backend.prefill_attention_backend_str == "torch_native"
+
+
+def _chain_tree(bs: int, steps: int, topk: int):
+    """The inputs EAGLE's `build_tree_kernel_efficient` receives for a top-1 chain."""
+    parents = torch.cat([torch.full((bs, 1), -1), torch.arange(steps)[None].expand(bs, -1)], 1)
+    selected = torch.arange(steps)[None].expand(bs, -1).contiguous()
+    return parents.long(), selected.long()
+
+
+@probe
+def cpu_eagle_tree_ops():
+    from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode
+    from sglang.srt.speculative.eagle_utils import (
+        build_tree_kernel_efficient,
+        verify_tree_greedy_func,
+    )
+
+    bs, n = 2, 2
+    parents, selected = _chain_tree(bs, 1, 1)
+    seq_lens = torch.tensor([5, 3])
+    mask, positions, ridx, rnext, rsib, tokens = build_tree_kernel_efficient(
+        torch.tensor([11, 12]), parents, selected, torch.tensor([[21], [22]]), seq_lens,
+        int(seq_lens.sum()), 1, 1, n, TreeMaskMode.FULL_MASK,
+    )  # fmt: skip
+    assert positions.tolist() == [5, 6, 3, 4], positions
+    assert ridx.tolist() == [[0, 1], [2, 3]] and rnext.tolist() == [[1, -1], [1, -1]]
+    assert tokens.tolist() == [11, 21, 12, 22]
+    # each draft row sees its prefix, the bonus slot and itself (a causal chain)
+    rows = [mask[: 5 * n + n * n].view(n, 5 + n).tolist()]
+    assert rows[0] == [[True] * 5 + [True, False], [True] * 5 + [True, True]], rows
+    predicts = torch.zeros(bs * n, dtype=torch.int32)
+    accept_index = torch.full((bs, n), -1, dtype=torch.int32)
+    accepted = torch.empty(bs, dtype=torch.int32)
+    target = torch.tensor([[21, 7], [9, 8]])  # request 0 accepts its draft, request 1 does not
+    verify_tree_greedy_func(
+        predicts, accept_index, accepted, tokens.view(bs, n), ridx, rnext, rsib, target, topk=1
+    )
+    assert accepted.tolist() == [1, 0] and accept_index.tolist() == [[0, 1], [2, -1]]
+    assert predicts.tolist() == [21, 7, 9, 0]
+
+
+@probe
+def cpu_eagle_sampling_verify():
+    from sglang.srt.speculative import eagle_utils
+
+    greedy = eagle_utils._verify_uses_greedy(
+        is_all_greedy=False, is_cpu=True, is_hip=False, is_xpu=False, use_rejection_sampling=False
+    )
+    assert not greedy, "temperature-1 requests on CPU are verified greedily (target argmax)"
+    assert eagle_utils.tree_speculative_sampling_target_only is not None
+    probs = torch.softmax(torch.randn(3, 10), -1)
+    top2 = eagle_utils.top_k_renorm_prob(probs, torch.tensor([2, 10, 1]))
+    assert (top2[0] > 0).sum() == 2 and (top2[2] > 0).sum() == 1
+    torch.testing.assert_close(top2[1], probs[1])
+    nucleus = eagle_utils.top_p_renorm_prob(probs, torch.tensor([1e-6, 1.0, 0.5]))
+    assert (nucleus[0] > 0).sum() == 1 and torch.allclose(nucleus.sum(-1), torch.ones(3))
+    # target-only verification of a chain: a draft with p_t = 1 is always kept, p_t = 0 never
+    bs, n, vocab = 2, 2, 5
+    target = torch.zeros(bs, n, vocab)
+    target[0, 0, 3] = target[1, 0, 1] = 1.0
+    target[:, 1] = 0.2
+    predicts = torch.zeros(bs * n, dtype=torch.int32)
+    accept_index = torch.full((bs, n), -1, dtype=torch.int32)
+    accepted = torch.empty(bs, dtype=torch.int32)
+    eagle_utils.tree_speculative_sampling_target_only(
+        predicts=predicts, accept_index=accept_index, accept_token_num=accepted,
+        candidates=torch.tensor([[0, 3], [0, 4]]), retrive_index=torch.arange(4).view(2, 2),
+        retrive_next_token=None, retrive_next_sibling=None, uniform_samples=torch.rand(bs, n),
+        uniform_samples_for_final_sampling=torch.rand(bs), target_probs=target,
+        draft_probs=torch.zeros_like(target), threshold_single=1.0, threshold_acc=1.0,
+        deterministic=True,
+    )  # fmt: skip
+    assert accepted.tolist() == [1, 0] and predicts[2].item() == 1, (accepted, predicts)
+
+
+@probe
+def cpu_row_argmax():
+    from sglang.srt.speculative.spec_utils import fast_sample
+
+    probs = torch.softmax(torch.randn(4, 3000), -1)
+    p, idx = fast_sample(probs)
+    assert idx.shape == (4, 1) and torch.equal(p, probs.gather(1, idx))
+
+
 def _resolve(draft: str):
     from sglang.srt.server_args import prepare_server_args
 
