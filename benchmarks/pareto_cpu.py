@@ -74,6 +74,7 @@ def run_stage(server, name: str, users: int, args, out: Path) -> dict:
     locust = Path(sys.executable).with_name("locust")
     cmd = [str(locust), "-f", str(REPO / "loadtest" / "sla.py"), "--headless",
            "--host", server.base_url, "--only-summary"]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.locust.log", "w") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
     report = json.loads((out / "sla_summary.json").read_text())
