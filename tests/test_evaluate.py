@@ -401,7 +401,7 @@ def test_benchmark_prompts_ship_inside_the_package(monkeypatch):
 
 
 def test_no_code_reads_a_folder_outside_the_repository():
-    """Tests, tools and CI run from a clone alone: nothing may reach for ../shared."""
+    """Tests, tools and CI run from a clone alone: nothing may read a folder beside it."""
     repo = Path(__file__).resolve().parents[1]
     sources = [
         *repo.glob("sglang_dspark/**/*.py"), *repo.glob("tests/**/*.py"), *repo.glob("scripts/*.py"),
