@@ -36,7 +36,7 @@ from sglang_dspark.drafter.loss import LossWeights, combine, loss_sums
 from sglang_dspark.drafter.model import apply_rope, init_weights
 from sglang_dspark.drafter.mtp import MtpDraftConfig, MtpDrafter
 from sglang_dspark.drafter.target import TargetAdapter, load_target_config, make_tiny_target
-from sglang_dspark.drafter.train import TrainConfig, Trainer
+from sglang_dspark.drafter.train import TrainConfig, build_trainer
 from sglang_dspark.drafter.train_mtp import MtpTrainer, mtp_candidates, sample_mtp_positions
 
 torch.set_num_threads(1)
@@ -320,7 +320,7 @@ def test_step_loss_equals_an_unpacked_recomputation(setup):
     """The trainer's first-step loss == mean over sampled i of 0.1 CE + 0.9 TV, recomputed
     per sequence over ALL rows 0..S-3 (no packing, no truncation), teacher p_t(.|x_<=i+1)."""
     root, target = setup
-    trainer = Trainer(_cfg(root, target, "byhand", resume=False))
+    trainer = build_trainer(_cfg(root, target, "byhand", resume=False))
     assert isinstance(trainer, MtpTrainer)
     plan = trainer._plan(0)
     adapter = TargetAdapter.from_pretrained(target, [0])
@@ -350,7 +350,7 @@ def test_training_lowers_the_loss_on_a_fixed_batch(setup, tmp_path):
                             (root / "data.jsonl").read_text().splitlines()[:4]))  # fmt: skip
     # 4 sequences, batch 4, 60 positions per sequence (more than any has): the same batch
     # and the same positions every step.
-    trainer = Trainer(_cfg(root, target, "fixed", data=str(data), num_anchors=20, steps=15,
+    trainer = build_trainer(_cfg(root, target, "fixed", data=str(data), num_anchors=20, steps=15,
                            warmup_ratio=0.0, lr=1e-2, checkpoint_every=100))  # fmt: skip
     stats = [trainer.train_step() for _ in range(15)]
     losses, tvs = [s.loss for s in stats], [s.per_term["tv"] for s in stats]
@@ -373,7 +373,7 @@ def test_budget_positions_through_the_lm_head(setup):
     assert a.numel() == 6 and set(a.tolist()) <= set(cand.tolist())
     assert sample_mtp_positions(mask, 100, seed=4).tolist() == cand.tolist()
 
-    trainer = Trainer(_cfg(root, target, "budget", num_anchors=4, block_size=5, resume=False))
+    trainer = build_trainer(_cfg(root, target, "budget", num_anchors=4, block_size=5, resume=False))
     cap = 4 * 5
     plan = trainer._plan(0)
     per_seq = [min(cap, mtp_candidates(s.loss_mask).numel()) for s, _ in plan]
@@ -381,7 +381,7 @@ def test_budget_positions_through_the_lm_head(setup):
     stats = trainer.train_step()
     assert stats.lm_head_positions == sum(per_seq)
     # DSpark with the same settings: full blocks x block_size rows through the LM head.
-    dspark = Trainer(_cfg(root, target, "budget-dspark", drafter="dspark", num_anchors=4,
+    dspark = build_trainer(_cfg(root, target, "budget-dspark", drafter="dspark", num_anchors=4,
                           block_size=5, markov_rank=8, target_layer_ids=[0, 2], resume=False))  # fmt: skip
     d_plan = dspark._plan(0)
     d_rows = sum(bt.anchors.numel() for _, bt, _ in d_plan) * 5
@@ -394,7 +394,7 @@ def test_budget_positions_through_the_lm_head(setup):
 
 def test_metrics_record_the_budget(setup):
     root, target = setup
-    out = Trainer(_cfg(root, target, "metrics", steps=2, resume=False)).train()
+    out = build_trainer(_cfg(root, target, "metrics", steps=2, resume=False)).train()
     recs = [json.loads(x) for x in (out.parent / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["lm_head_budget"] == 4 * 2 * 3 for r in recs)
@@ -408,10 +408,10 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_resume_matches_uninterrupted_run(setup):
     root, target = setup
-    full = Trainer(_cfg(root, target, "full")).train()
+    full = build_trainer(_cfg(root, target, "full")).train()
     cfg = _cfg(root, target, "resumed", stop_after=5)
-    assert Trainer(cfg).train().name == "latest.pt"
-    resumed = Trainer(dataclasses.replace(cfg, stop_after=None))
+    assert build_trainer(cfg).train().name == "latest.pt"
+    resumed = build_trainer(dataclasses.replace(cfg, stop_after=None))
     assert resumed.step == 3
     out = resumed.train()
     a, b = _weights(full.parent), _weights(out.parent)
@@ -420,7 +420,7 @@ def test_resume_matches_uninterrupted_run(setup):
     assert [json.loads(x)["step"] for x in lines] == list(range(1, 9))
     # A DSpark run cannot resume an MTP checkpoint.
     with pytest.raises(DraftCheckpointError, match="different drafter"):
-        Trainer(_cfg(root, target, "resumed", drafter="dspark", markov_rank=8,
+        build_trainer(_cfg(root, target, "resumed", drafter="dspark", markov_rank=8,
                      target_layer_ids=[0, 2]))  # fmt: skip
 
 
@@ -448,10 +448,10 @@ def test_kill_9_then_resume(setup):
     state = torch.load(ckpt, weights_only=True)
     step = state["step"]
     assert 2 <= step < 400 and state["train_config"]["drafter"] == "mtp"
-    resumed = Trainer(dataclasses.replace(cfg, stop_after=4))
+    resumed = build_trainer(dataclasses.replace(cfg, stop_after=4))
     assert isinstance(resumed, MtpTrainer) and resumed.step == step
     resumed.train()
-    fresh = Trainer(dataclasses.replace(cfg, out_dir=str(root / "fresh"), stop_after=step + 4))
+    fresh = build_trainer(dataclasses.replace(cfg, out_dir=str(root / "fresh"), stop_after=step + 4))
     fresh.train()
     a, b = resumed.drafter.state_dict(), fresh.drafter.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -504,7 +504,7 @@ def test_cli_trains_exports_and_inits_from_a_draft(setup, tmp_path, capsys):
     assert set(a) == set(b)
     # --init-draft: start from an MTP draft directory.
     start = init_random_mtp_draft(target, tmp_path / "start", seed=5, dtype=torch.float32)
-    run = Trainer(_cfg(root, target, "from-draft", init_draft=str(start), steps=2, resume=False))
+    run = build_trainer(_cfg(root, target, "from-draft", init_draft=str(start), steps=2, resume=False))
     torch.testing.assert_close(
         run.drafter.norm.weight, load_mtp_draft(start).norm.weight, rtol=0, atol=0
     )
@@ -588,6 +588,6 @@ def test_bad_exports_give_clear_errors(tmp_path, setup):
         load_mtp_draft(broken)
     # Training options that only DSpark has.
     with pytest.raises(ValueError, match="DSpark-only"):
-        Trainer(_cfg(root, target, "mse", mse_weight=0.5))
+        build_trainer(_cfg(root, target, "mse", mse_weight=0.5))
     with pytest.raises(ValueError, match="not one of"):
-        Trainer(_cfg(root, target, "kind", drafter="eagle"))
+        build_trainer(_cfg(root, target, "kind", drafter="eagle"))

@@ -147,23 +147,21 @@ def _check_tensors(
             "they belong to no layer of the drafter config.json describes (wrong "
             "num_hidden_layers / markov_head_type, or not a DSpark draft)."
         )
-    for name in sorted(set(expected) & set(tensors)):
-        got = tuple(tensors[name].shape)
-        want = expected[name]
-        if got == want:
-            continue
-        why = ""
+
+    def why(name: str) -> str:
         if name == "fc.weight":
-            why = (
+            return (
                 f" fc.weight is [H, m*H] with m = len(target_layer_ids) = "
                 f"{config.num_context_features}; config.json and the weights disagree on m."
             )
-        elif name.startswith("markov_head.markov_w"):
-            why = (
+        if name.startswith("markov_head.markov_w"):
+            return (
                 f" The Markov head covers vocab_size={config.vocab_size} x "
                 f"markov_rank={config.markov_rank}; fix vocab_size / markov_rank in config.json."
             )
-        problems.append(f"{name} has shape {list(got)}, expected {list(want)}.{why}")
+        return ""
+
+    problems += _shape_problems(expected, tensors, why)
     if problems:
         raise DraftCheckpointError(f"{source}: " + " ".join(problems))
 
@@ -173,21 +171,39 @@ def save_draft(
     drafter: DSparkDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
     """Write an SGLang-loadable draft (config.json + model.safetensors), atomically."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = {k: v.to(dtype).contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
     _check_tensors(drafter.config, state, source="export")
-    config = drafter.config
-    dtype_name = {v: k for k, v in _DTYPES.items()}[dtype]
+    return _write_draft(out_dir, state, drafter.config.to_sglang_dict(), dtype, kind="DSpark")
+
+
+def _write_draft(
+    out_dir: str | Path, state: dict[str, torch.Tensor], raw_config: dict[str, Any],
+    dtype: torch.dtype, *, kind: str,
+) -> Path:  # fmt: skip
+    """model.safetensors, then config.json, each written to a temporary name and renamed, so
+    an interrupted export never leaves a half-written file under the real name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{WEIGHTS_NAME}.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / WEIGHTS_NAME)
-    raw = config.to_sglang_dict()
-    raw["torch_dtype"] = dtype_name
+    raw = dict(raw_config, torch_dtype={v: k for k, v in _DTYPES.items()}[dtype])
     tmp_cfg = out / ".config.json.tmp"
     tmp_cfg.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     os.replace(tmp_cfg, out / "config.json")
-    logger.info("wrote SGLang DSpark draft to %s (%d tensors)", out, len(state))
+    logger.info("wrote SGLang %s draft to %s (%d tensors)", kind, out, len(state))
+    return out
+
+
+def _shape_problems(
+    expected: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor], why
+) -> list[str]:
+    """One line per tensor whose shape differs from the model's, with ``why(name)`` appended."""
+    out = []
+    for name in sorted(set(expected) & set(tensors)):
+        got, want = tuple(tensors[name].shape), expected[name]
+        if got != want:
+            out.append(f"{name} has shape {list(got)}, expected {list(want)}.{why(name)}")
     return out
 
 
@@ -410,16 +426,16 @@ def _check_mtp_tensors(
             f"unexpected tensors {unexpected[:8]}: they belong to no parameter of a 1-layer "
             "MTP draft (more layers, or not an MTP-1 draft)."
         )
-    for name in sorted(set(expected) & set(tensors)):
-        got, want = tuple(tensors[name].shape), expected[name]
-        if got != want:
-            why = ""
-            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-                why = (
-                    f" q/k/v read the concatenated [emb; hidden] input, 2 x hidden_size = "
-                    f"{2 * config.hidden_size} wide; config.json and the weights disagree."
-                )
-            problems.append(f"{name} has shape {list(got)}, expected {list(want)}.{why}")
+
+    def why(name: str) -> str:
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            return (
+                f" q/k/v read the concatenated [emb; hidden] input, 2 x hidden_size = "
+                f"{2 * config.hidden_size} wide; config.json and the weights disagree."
+            )
+        return ""
+
+    problems += _shape_problems(expected, tensors, why)
     if problems:
         raise DraftCheckpointError(f"{source}: " + " ".join(problems))
 
@@ -428,20 +444,9 @@ def save_mtp_draft(
     drafter: MtpDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
     """Write an SGLang-loadable MTP-1 draft (config.json + model.safetensors), atomically."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = {k: v.to(dtype).contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
     _check_mtp_tensors(drafter.config, state, source="export")
-    tmp = out / f".{WEIGHTS_NAME}.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS_NAME)
-    raw = drafter.config.to_sglang_dict()
-    raw["torch_dtype"] = {v: k for k, v in _DTYPES.items()}[dtype]
-    tmp_cfg = out / ".config.json.tmp"
-    tmp_cfg.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_cfg, out / "config.json")
-    logger.info("wrote SGLang MTP-1 draft to %s (%d tensors)", out, len(state))
-    return out
+    return _write_draft(out_dir, state, drafter.config.to_sglang_dict(), dtype, kind="MTP-1")
 
 
 def load_mtp_draft(draft_dir: str | Path, *, target_config: Any = None) -> MtpDrafter:

@@ -190,6 +190,21 @@ class SharedVocab:
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
 
+    @classmethod
+    def checked(
+        cls, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *, vocab_size: int,
+        hidden_size: int, drafter: str,
+    ) -> SharedVocab:  # fmt: skip
+        """Detached views of the target's weights, refused unless both are [V, H]."""
+        for name, w in (("embedding", embed_weight), ("LM head", lm_head_weight)):
+            if tuple(w.shape) != (vocab_size, hidden_size):
+                raise ValueError(
+                    f"target {name} has shape {tuple(w.shape)} but the {drafter} expects "
+                    f"[{vocab_size}, {hidden_size}] (vocab_size x hidden_size); it was built "
+                    "for a different target."
+                )
+        return cls(embed_weight.detach(), lm_head_weight.detach())
+
 
 class DSparkDrafter(nn.Module):
     """Backbone + Markov head + confidence head; state_dict names are SGLang's."""
@@ -224,15 +239,10 @@ class DSparkDrafter(nn.Module):
 
     # ------------------------------------------------------------------ shared vocab
     def attach_shared(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        V, H = self.config.vocab_size, self.config.hidden_size
-        for name, w in (("embedding", embed_weight), ("LM head", lm_head_weight)):
-            if tuple(w.shape) != (V, H):
-                raise ValueError(
-                    f"target {name} has shape {tuple(w.shape)} but the drafter expects "
-                    f"[{V}, {H}] (vocab_size x hidden_size); the drafter was built for a "
-                    "different target."
-                )
-        self.shared = SharedVocab(embed_weight.detach(), lm_head_weight.detach())
+        self.shared = SharedVocab.checked(
+            embed_weight, lm_head_weight, vocab_size=self.config.vocab_size,
+            hidden_size=self.config.hidden_size, drafter="drafter",
+        )  # fmt: skip
 
     def _require_shared(self) -> SharedVocab:
         if self.shared is None:

@@ -332,14 +332,10 @@ class MtpDrafter(nn.Module):
         self.shared: SharedVocab | None = None  # plain attribute: never in state_dict
 
     def attach_shared(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        V, H = self.config.vocab_size, self.config.hidden_size
-        for name, w in (("embedding", embed_weight), ("LM head", lm_head_weight)):
-            if tuple(w.shape) != (V, H):
-                raise ValueError(
-                    f"target {name} has shape {tuple(w.shape)} but the MTP drafter expects "
-                    f"[{V}, {H}]; it was built for a different target."
-                )
-        self.shared = SharedVocab(embed_weight.detach(), lm_head_weight.detach())
+        self.shared = SharedVocab.checked(
+            embed_weight, lm_head_weight, vocab_size=self.config.vocab_size,
+            hidden_size=self.config.hidden_size, drafter="MTP drafter",
+        )  # fmt: skip
 
     def _require_shared(self) -> SharedVocab:
         if self.shared is None:

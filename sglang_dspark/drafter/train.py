@@ -44,7 +44,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -351,26 +351,27 @@ class StepStats:
 DRAFTER_KINDS = ("dspark", "mtp")
 
 
+def build_trainer(cfg: TrainConfig, *, dist_ctx: _Dist | None = None) -> Trainer:
+    """The trainer for ``cfg.drafter``: ``Trainer`` (DSpark) or ``train_mtp.MtpTrainer``."""
+    if cfg.drafter == Trainer.kind:
+        return Trainer(cfg, dist_ctx=dist_ctx)
+    if cfg.drafter == "mtp":
+        from .train_mtp import MtpTrainer
+
+        return MtpTrainer(cfg, dist_ctx=dist_ctx)
+    raise DraftConfigError(
+        f"drafter {cfg.drafter!r} is not one of {DRAFTER_KINDS}; pass --drafter dspark or "
+        "--drafter mtp."
+    )
+
+
 class Trainer:
-    """The DSpark trainer; ``Trainer(cfg)`` with ``cfg.drafter == "mtp"`` builds the MTP-1
-    subclass (``train_mtp.MtpTrainer``), which overrides only the drafter-specific hooks
-    (draft config, target features, build, plan, micro-batch, loss, export)."""
+    """The DSpark trainer. ``train_mtp.MtpTrainer`` (``build_trainer`` picks it for
+    ``cfg.drafter == "mtp"``) overrides only the drafter-specific hooks (draft config, target
+    features, new/loaded drafter, plan, micro-batch, loss, export)."""
 
     kind = "dspark"
     loss_terms: tuple[str, ...] = ("ce", "tv", "conf")
-
-    def __new__(cls, cfg: TrainConfig, *args: Any, **kwargs: Any) -> Self:
-        klass: type[Trainer] = cls
-        if cls is Trainer and cfg.drafter != cls.kind:
-            if cfg.drafter != "mtp":
-                raise DraftConfigError(
-                    f"drafter {cfg.drafter!r} is not one of {DRAFTER_KINDS}; pass --drafter "
-                    "dspark or --drafter mtp."
-                )
-            from .train_mtp import MtpTrainer
-
-            klass = MtpTrainer
-        return super().__new__(klass)
 
     def __init__(self, cfg: TrainConfig, *, dist_ctx: _Dist | None = None) -> None:
         self.cfg = cfg
@@ -453,11 +454,17 @@ class Trainer:
             confidence_head_with_markov=True,
         )
 
+    def _new_drafter(self) -> torch.nn.Module:
+        return DSparkDrafter(self.draft_config)
+
+    def _load_drafter(self, path: str) -> torch.nn.Module:
+        return load_draft(path, target_config=self.target.config)
+
     def _build_drafter(self) -> torch.nn.Module:
         if self.cfg.init_draft:
-            drafter = load_draft(self.cfg.init_draft, target_config=self.target.config)
+            drafter = self._load_drafter(self.cfg.init_draft)
         else:
-            drafter = DSparkDrafter(self.draft_config)
+            drafter = self._new_drafter()
             init_weights(drafter, seed=self.cfg.seed)
         if self.dist.world > 1:  # identical start on every rank
             for p in drafter.parameters():
@@ -783,7 +790,7 @@ def run(args: argparse.Namespace) -> int:
     d = _init_distributed()
     try:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        out = Trainer(cfg, dist_ctx=d).train()
+        out = build_trainer(cfg, dist_ctx=d).train()
         if d.main:
             print(out)
     finally:
@@ -805,8 +812,4 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the importable module's main, not this __main__ copy: MtpTrainer subclasses the
-    # importable Trainer, and Trainer(cfg)'s dispatch needs that one class identity.
-    import importlib
-
-    raise SystemExit(importlib.import_module("sglang_dspark.drafter.train").main())
+    raise SystemExit(main())

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from .checkpoint import load_mtp_draft, save_mtp_draft
 from .config import DraftConfigError
 from .loss import LossSums, loss_sums
-from .model import init_weights
 from .mtp import MtpDraftConfig, MtpDrafter
 from .target import TargetFeatures
 from .train import TokenSequence, Trainer, _stable_seed, anchor_candidates
@@ -109,16 +108,11 @@ class MtpTrainer(Trainer):
         final = out.last_hidden_state[0]
         return TargetFeatures(final.new_zeros(final.shape[0], 0), final)
 
-    def _build_drafter(self) -> MtpDrafter:
-        if self.cfg.init_draft:
-            drafter = load_mtp_draft(self.cfg.init_draft, target_config=self.target.config)
-        else:
-            drafter = MtpDrafter(self.draft_config)
-            init_weights(drafter, seed=self.cfg.seed)
-        if self.dist.world > 1:  # identical start on every rank
-            for p in drafter.parameters():
-                dist.broadcast(p.data, src=0)
-        return drafter.float().train()
+    def _new_drafter(self) -> MtpDrafter:
+        return MtpDrafter(self.draft_config)
+
+    def _load_drafter(self, path: str) -> MtpDrafter:
+        return load_mtp_draft(path, target_config=self.target.config)
 
     # -------------------------------------------------------------- one step
     def _plan(self, step: int) -> MtpPlan:
