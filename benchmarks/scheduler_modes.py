@@ -1,157 +1,168 @@
 #!/usr/bin/env python3
-"""Confidence-scheduled verification on the embedded server: no speculation vs DSPARK modes.
+"""Confidence-scheduled verification on the embedded CPU server: the paper's Figure 8 shape.
 
-    python benchmarks/scheduler_modes.py [--concurrency 1,4,16] [--requests 16] [--max-new-tokens 64]
+    python benchmarks/scheduler_modes.py --out docs/scheduler-cpu [--users 1,2,4,8,16]
+        [--stage-seconds 35] [--max-tokens 128] [--modes static,sync,async]
 
-Starts, one at a time on 127.0.0.1, the plain server and the DSPARK server with
-SGLANG_DSPARK_SCHEDULER=static (verify all), async (upstream's planner) and sync (Algorithm 1),
-all with the same drafter, SPS table (profiled at start-up, cached) and STS calibration. At
-each concurrency level it sends the same greedy requests from the packaged eval sets and prints:
+One DSPARK server per `SGLANG_DSPARK_SCHEDULER` mode (same drafter, STS calibration and SPS
+table, profiled at start-up and cached), all started at once with `--sleep-on-idle` (an idle
+one takes no CPU). For each concurrency level every mode serves one `locust -f loadtest/sla.py`
+stage in turn, the order rotated from level to level, so the drift of a shared machine falls on
+every mode alike (`benchmarks/pareto_cpu.py`'s stages). Greedy, packaged eval prompts, a fixed
+number of output tokens per request (`ignore_eos`).
 
-- tokens/s/user: each request's completion tokens over its own latency, averaged;
-- aggregate tokens/s: all completion tokens over the wall time of the level;
-- accept len: completion tokens per verify step;
-- cap len: the mean scheduled verify window (SGLang's `spec_cap_length`, read from the
-  server's decode log lines during the level);
-- ratios of each mode to static and to no speculation.
-
-Greedy, ignore_eos, so every mode generates the same number of tokens. Prints a table and
-writes JSON (--json). Not a test: speeds depend on the machine; ratios are measured side by
-side in one run.
+Per mode and level: aggregate output tok/s, tok/s per user, accept length (tokens per verify
+round, bonus included) and the mean verify window per request (SGLang's `spec_cap_length`:
+1 + the drafts verified; static is gamma + 1 by construction). Writes `report.md` (the table,
+each mode's throughput over static), `verify_window.png` (verify window per request and
+throughput against concurrency: Figure 8's shape) and `scheduler_modes.json`. Not a test:
+speeds depend on the machine; the ratios are measured side by side in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-from sglang_dspark.evaluation.benchmarks import default_eval_dir
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-MODES = ["static", "async", "sync"]
-CAP_LEN = re.compile(r"cap len: ([0-9.]+)")
+MODES = ["static", "sync", "async"]
 
 
-def _one(base_url: str, ids: list[int], max_new_tokens: int) -> tuple[dict, float]:
-    from sglang_dspark.client import generate_many
-
-    t0 = time.perf_counter()
-    out = generate_many(
-        base_url,
-        [ids],
-        concurrency=1,
-        max_new_tokens=max_new_tokens,
-        temperature=0,
-        ignore_eos=True,
-    )[0]
-    return out, time.perf_counter() - t0
-
-
-def measure(server, prompt_ids, concurrency: int, max_new_tokens: int, log: Path) -> dict:
-    start = log.stat().st_size if log.exists() else 0
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        done = list(pool.map(lambda ids: _one(server.base_url, ids, max_new_tokens), prompt_ids))
-    wall = time.perf_counter() - t0
-    with open(log, "rb") as fh:
-        fh.seek(start)
-        caps = [float(x) for x in CAP_LEN.findall(fh.read().decode(errors="replace"))]
-    tokens = sum(len(o["output_ids"]) for o, _ in done)
-    verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o, _ in done)
+def _row(rep: dict) -> dict:
+    r = rep["stages"][0]
     return {
-        "concurrency": concurrency,
-        "tokens": tokens,
-        "seconds": wall,
-        "tokens_per_s": tokens / wall,
-        "tokens_per_s_per_user": sum(len(o["output_ids"]) / s for o, s in done) / len(done),
-        "accept_len": tokens / verify if verify else None,
-        "cap_len": sum(caps) / len(caps) if caps else None,
+        "users": int(r["users"]),
+        "tok_s": r["output_tok_s_total"],
+        "tok_s_per_user": r["user_tok_s_mean"],
+        "accept_len": r["accept_len"],
+        "verify_window": r["verify_len_mean"],
+        "requests": r["requests"],
+        "tpot_p50_ms": None if r["tpot_p50_s"] is None else 1000 * r["tpot_p50_s"],
     }
 
 
-def main(argv=None) -> int:
+def report_table(rows: dict[str, list[dict]], gamma_plus_one: int) -> str:
+    modes = list(rows)
+    head = "| users | " + " | ".join(f"{m}: tok/s, per user, accept, window" for m in modes)
+    head += " | " + " | ".join(f"{m} / static" for m in modes if m != "static") + " |"
+    lines = [head, "|" + " --- |" * (1 + len(modes) + len([m for m in modes if m != "static"]))]
+    f = lambda v, spec: "-" if v is None else format(v, spec)
+    for i, base in enumerate(rows[modes[0]]):
+        cells = []
+        for m in modes:
+            r = rows[m][i]
+            window = r["verify_window"] if m != "static" else float(gamma_plus_one)
+            cells.append(
+                f"{f(r['tok_s'], '.1f')}, {f(r['tok_s_per_user'], '.1f')}, "
+                f"{f(r['accept_len'], '.2f')}, {f(window, '.2f')}"
+            )
+        ratios = []
+        if "static" in rows:
+            s = rows["static"][i]["tok_s"]
+            for m in modes:
+                if m != "static":
+                    t = rows[m][i]["tok_s"]
+                    ratios.append(f(t / s if t and s else None, ".2f") + "x")
+        lines.append(f"| {base['users']} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, list[dict]], gamma_plus_one: int, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.0))
+    for m, rs in rows.items():
+        users = [r["users"] for r in rs]
+        window = [gamma_plus_one if m == "static" else r["verify_window"] for r in rs]
+        a1.plot(users, window, marker="o", label=m)
+        a2.plot(users, [r["tok_s"] for r in rs], marker="o", label=m)
+    a1.set_ylabel("verify window per request (tokens, anchor included)")
+    a1.set_title("verify window vs concurrency")
+    a2.set_ylabel("aggregate output tok/s")
+    a2.set_title("throughput vs concurrency")
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrent users")
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
+    a1.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--users", default="1,2,4,8,16", help="concurrency levels")
+    parser.add_argument("--stage-seconds", type=float, default=35.0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--eval-dir", type=Path, default=default_eval_dir())
-    parser.add_argument("--draft", type=Path, default=None, help="default: the embedded draft")
-    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from dataclasses import replace
+    from pareto_cpu import run_stage, start_servers
 
-    from serving_speed import load_prompts
-    from transformers import AutoTokenizer
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    levels = [int(u) for u in args.users.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="scheduler-modes-"))
+    servers = start_servers([f"dspark-{m}" for m in modes], args.dtype, log_dir)
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
+    t0 = time.monotonic()
+    try:
+        for i, users in enumerate(levels):
+            k = i % len(modes)
+            for m in modes[k:] + modes[:k]:  # rotate who goes first
+                out = args.out / "raw" / m / f"u{users}"
+                row = _row(run_stage(servers[f"dspark-{m}"], m, users, args, out))
+                rows[m].append(row)
+                print(
+                    f"[{(time.monotonic() - t0) / 60:5.1f} min] c={users:<3} {m:<7} "
+                    f"{row['tok_s'] or 0:7.2f} tok/s, {row['tok_s_per_user'] or 0:6.2f} /user, "
+                    f"accept {row['accept_len'] or 0:.2f}, window {row['verify_window'] or 0:.2f}",
+                    flush=True,
+                )
+    finally:
+        for server in servers.values():
+            server.stop()
+    for m in modes:  # the order levels ran in is not the order of the table
+        rows[m].sort(key=lambda r: r["users"])
 
     from sglang_dspark import embedded
-    from sglang_dspark.client import chat_prompt_ids, generate_many
-    from sglang_dspark.server import SGLangServer, free_port
 
-    paths = embedded.ensure(dtype=args.dtype)
-    if args.draft:
-        paths = replace(paths, draft=args.draft)
-    tok = AutoTokenizer.from_pretrained(paths.target)
-    prompt_ids = [chat_prompt_ids(tok, p) for p in load_prompts(args.eval_dir, args.requests)]
-    levels = [int(x) for x in args.concurrency.split(",")]
-    runs = [("none", None)] + [(m, m) for m in args.modes.split(",")]
-    results: dict[str, list[dict]] = {}
-    for label, mode in runs:
-        port = free_port()
-        log = Path(tempfile.gettempdir()) / f"bench-sched-{label}-{port}.log"
-        cmd = embedded.launch_command(
-            paths,
-            port=port,
-            dtype=args.dtype,
-            speculative=mode is not None,
-            extra=["--decode-log-interval", "4"],
-        )
-        env = embedded.launch_env(scheduler=mode or "static")
-        with SGLangServer(cmd, env, port, log) as server:
-            generate_many(server.base_url, prompt_ids[:2], max_new_tokens=8)  # warm-up
-            results[label] = [
-                measure(server, prompt_ids, c, args.max_new_tokens, log) for c in levels
-            ]
-            print(
-                f"{label}: "
-                + ", ".join(
-                    f"c={r['concurrency']} {r['tokens_per_s']:.1f} tok/s" for r in results[label]
-                ),
-                flush=True,
-            )
-
-    print(
-        f"\nembedded server, {args.dtype}, {len(prompt_ids)} requests x {args.max_new_tokens} "
-        f"tokens, draft {paths.draft}"
+    draft_config = embedded.ensure(dtype=args.dtype).draft / "config.json"
+    gamma_plus_one = int(json.loads(draft_config.read_text())["block_size"]) + 1
+    (args.out / "scheduler_modes.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "modes": rows}, indent=1)
     )
-    head = (
-        f"{'mode':<7} {'conc':>4} {'tok/s/user':>10} {'agg tok/s':>9} {'accept':>6} "
-        f"{'cap len':>7} {'vs none':>7} {'vs static':>9}"
+    png = plot(rows, gamma_plus_one, args.out / "verify_window.png")
+    cmd = "python benchmarks/scheduler_modes.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
     )
-    print(head)
-    for label, rows in results.items():
-        for i, r in enumerate(rows):
-            r["ratio_vs_none"] = r["tokens_per_s"] / results["none"][i]["tokens_per_s"]
-            if "static" in results:
-                r["ratio_vs_static"] = r["tokens_per_s"] / results["static"][i]["tokens_per_s"]
-            print(
-                f"{label:<7} {r['concurrency']:>4} {r['tokens_per_s_per_user']:>10.2f} "
-                f"{r['tokens_per_s']:>9.2f} {r['accept_len'] or 0:>6.2f} "
-                f"{r['cap_len'] or 0:>7.2f} {r['ratio_vs_none']:>7.2f} "
-                f"{r.get('ratio_vs_static', float('nan')):>9.2f}"
-            )
-    if args.json:
-        args.json.write_text(json.dumps({"results": results}, indent=2))
+    text = (
+        f"# Scheduler modes on the embedded CPU server\n\n`{cmd}`\n\n"
+        "Cells: aggregate output tok/s, tok/s per user, accept length (tokens per verify round, "
+        "bonus included), mean verify window per request (tokens, anchor included; static "
+        f"verifies all {gamma_plus_one}).\n\n{report_table(rows, gamma_plus_one)}\n\n"
+        f"![verify window and throughput against concurrency]({png.name})\n"
+    )
+    (args.out / "report.md").write_text(text)
+    print(text)
     return 0
 
 

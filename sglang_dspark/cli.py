@@ -40,9 +40,8 @@ def _cmd_embedded(args: argparse.Namespace) -> int:
 
     paths = embedded.ensure(dtype=args.dtype)
     if args.print_command:
-        env = embedded.launch_env({}) if args.arm == "dspark" else embedded.CPU_ENV
         cmd = embedded.launch_command(paths, port=args.port, dtype=args.dtype, arm=args.arm)
-        print(" ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd))
+        print(shlex.join(cmd))  # no environment needed: the plugin sets up the CPU engine
     else:
         print(f"target: {paths.target}\ndraft:  {paths.draft}\nmtp1:   {paths.mtp1_draft}")
     return 0

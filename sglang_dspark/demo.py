@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     kind = "trained (shipped)" if paths.draft_is_trained else "random (placeholder)"
     cmd = embedded.launch_command(paths, port=args.port, dtype=args.dtype)
     print(f"target: {paths.target}\ndraft:  {paths.draft} [{kind}]")
-    print("launch: SGLANG_USE_CPU_ENGINE=1 " + shlex.join(cmd))
+    print("launch: " + shlex.join(cmd))
     log = Path(tempfile.gettempdir()) / f"sglang-dspark-demo-{args.port}.log"
     server = SGLangServer(cmd=cmd, env=embedded.launch_env(), port=args.port, log_path=log)
     print(f"starting SGLang (about a minute on 2 cores; log: {log}) ...", flush=True)

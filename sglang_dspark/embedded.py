@@ -2,8 +2,11 @@
 
 `ensure()` prepares the target and both drafters (idempotent) and `launch_command()` gives the
 exact `python -m sglang.launch_server ...` line with the settings a 2-core, no-GPU machine
-needs: the CPU engine, the torch_native attention backend, and a KV cache sized to the machine
-(SGLang's default would reserve ~13 GB). Three arms share everything but speculation:
+needs: `--device cpu`, the torch_native attention backend, and a KV cache sized to the machine
+(SGLang's default would reserve ~13 GB). No environment variable is needed: the plugin selects
+SGLang's CPU engine for `--device cpu` (`cpu_engine_for_device_cpu`) and gives a DSPARK launch
+the sync scheduler (`plugin.scheduling.DEFAULT_MODE`). Three arms share everything but
+speculation:
 
 - `dspark`: `--speculative-algorithm DSPARK` with the shipped DSpark drafter (the default);
 - `mtp1`: the MTP-1 baseline, SGLang's EAGLE worker with one draft token per round
@@ -33,10 +36,8 @@ MTP1_ARGS = (
 MAX_TOTAL_TOKENS = 16384
 MAX_RUNNING_REQUESTS = 16
 
-CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
-# Confidence-scheduled verification is on by default: Algorithm 1 (plugin.scheduling), with
-# SPS profiled at start-up and the drafter's STS calibration when it ships one.
-DEFAULT_SCHEDULER = "sync"
+# Confidence-scheduled verification is on by default (the plugin's sync mode: Algorithm 1, SPS
+# profiled at start-up), with the drafter's STS calibration when it ships one.
 STS_FILE = "sts.json"
 
 
@@ -118,13 +119,13 @@ def launch_command(
     return cmd + list(extra or [])
 
 
-def launch_env(base: dict[str, str] | None = None, *, scheduler: str | None = None) -> dict[str, str]:
-    """The CPU engine's environment; `SGLANG_DSPARK_SCHEDULER` defaults to sync (scheduling ON)
-    unless the caller's environment or `scheduler` says otherwise."""
+def launch_env(
+    base: dict[str, str] | None = None, *, scheduler: str | None = None
+) -> dict[str, str]:
+    """`base` (default: this process's environment) with SGLANG_DSPARK_SCHEDULER=`scheduler`
+    when given. Nothing else: the plugin sets up the CPU engine, the default scheduler and the
+    CPU scheduler's heap trimming."""
     env = dict(os.environ if base is None else base)
-    env.update(CPU_ENV)
     if scheduler is not None:
         env["SGLANG_DSPARK_SCHEDULER"] = scheduler
-    elif not env.get("SGLANG_RAGGED_VERIFY_MODE"):
-        env.setdefault("SGLANG_DSPARK_SCHEDULER", DEFAULT_SCHEDULER)
     return env

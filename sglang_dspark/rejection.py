@@ -14,6 +14,34 @@ from __future__ import annotations
 
 import torch
 
+# Deliberately broken samplers, for negative controls only (the losslessness tests and
+# `sglang-dspark audit` must catch each; SGLANG_DSPARK_TEST_BREAK_SAMPLER selects one on a server):
+BROKEN_MODES = {
+    "accept_all": "every draft kept",
+    "no_renorm": "replacement drawn from max(0, p_t - p_d) without renormalising it",
+    "bonus_from_draft": "bonus token drawn from the last draft distribution instead of p_t",
+    "ratio_scaled": "acceptance ratio p_t / p_d multiplied by 1.3 (ratio_scaled:C for another C)",
+}
+
+
+def parse_broken_mode(mode: str | None) -> tuple[str | None, float]:
+    """'ratio_scaled:0.7' -> ('ratio_scaled', 0.7); None / '' -> (None, 1.0)."""
+    if not mode:
+        return None, 1.0
+    name, _, value = mode.partition(":")
+    if name not in BROKEN_MODES or (value and name != "ratio_scaled"):
+        raise ValueError(
+            f"unknown broken sampler mode {mode!r}; choose one of {', '.join(BROKEN_MODES)} "
+            "(ratio_scaled:C sets the factor)"
+        )
+    try:
+        scale = float(value) if value else 1.3
+    except ValueError:
+        raise ValueError(
+            f"ratio_scaled:{value}: the factor must be a number, e.g. ratio_scaled:0.7"
+        ) from None
+    return name, scale
+
 
 def _residual(p_t: torch.Tensor, p_d: torch.Tensor) -> torch.Tensor:
     """max(0, p_t - p_d); a non-probability p_d (NaN, inf, < 0) counts as 0."""
@@ -21,10 +49,12 @@ def _residual(p_t: torch.Tensor, p_d: torch.Tensor) -> torch.Tensor:
     return (p_t - p_d).clamp_min(0)
 
 
-def _sample_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+def _sample_cdf(
+    weights: torch.Tensor, coins: torch.Tensor, renormalise: bool = True
+) -> torch.Tensor:
     """Inverse-CDF sampling of each row of unnormalised `weights` with uniform `coins`."""
     cdf = weights.cumsum(-1)
-    target = coins * cdf[:, -1]
+    target = coins * cdf[:, -1] if renormalise else coins  # not renormalising: broken on purpose
     hit = cdf > target[:, None]
     token = hit.int().argmax(-1)
     # A degenerate row (all zero) falls back to the last id, as the Triton kernel does.
@@ -36,16 +66,18 @@ def accept_lengths(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     coins: torch.Tensor,
+    ratio_scale: float = 1.0,
 ) -> torch.Tensor:
     """Number of accepted leading drafts per request.
 
     drafts [bs, g]; target_probs [bs, >=g, V]; draft_probs [bs, g, V]; coins [bs, g] uniform.
+    `ratio_scale` != 1 is the broken `ratio_scaled` mode (tests only).
     """
     g = drafts.shape[1]
     idx = drafts.long().unsqueeze(-1)
     p = target_probs[:, :g].float().gather(-1, idx).squeeze(-1)
     q = draft_probs[:, :g].float().gather(-1, idx).squeeze(-1)
-    ok = (q > 0) & (q <= 1) & (coins * q < p)
+    ok = (q > 0) & (q <= 1) & (coins * q < p * ratio_scale)
     return ok.int().cumprod(1).sum(1)
 
 
@@ -63,13 +95,22 @@ def chain_rejection_sample(
     return n, _final_token(n, target_probs, draft_probs, final_coins)
 
 
-def _final_token(n, target_probs, draft_probs, final_coins) -> torch.Tensor:
+def _final_token(
+    n, target_probs, draft_probs, final_coins, broken: str | None = None
+) -> torch.Tensor:
     bs, g = draft_probs.shape[:2]
     rows = torch.arange(bs, device=n.device)
     p_t = target_probs[rows, n.long()].float()
     p_d = draft_probs[rows, n.clamp(max=g - 1).long()].float()
     all_accepted = (n == g)[:, None]
-    weights = torch.where(all_accepted, p_t, _residual(p_t, p_d))
+    bonus = p_d if broken == "bonus_from_draft" else p_t  # the broken mode reuses the last p_d
+    weights = torch.where(all_accepted, bonus, _residual(p_t, p_d))
+    if broken == "no_renorm":  # the bonus row sums to 1 already; only the residual is hit
+        return torch.where(
+            all_accepted[:, 0],
+            _sample_cdf(weights, final_coins),
+            _sample_cdf(weights, final_coins, renormalise=False),
+        )
     return _sample_cdf(weights, final_coins)
 
 
@@ -91,14 +132,17 @@ def chain_speculative_sampling_torch(
     *,
     block_verification: bool = False,
     accept_all: bool = False,
+    broken: str | None = None,
 ):
     """Drop-in for SGLang's `chain_speculative_sampling_triton` (same buffers, same coins).
 
     candidates [bs, n] hold [anchor, draft_1..draft_{n-1}]; retrive_index [bs, n] the global
     slot of each; on return predicts[slot j] is the token that follows slot j on the accepted
     path, accept_index[:, :k+1] the accepted slots and accept_token_num the k accepted drafts.
-    `accept_all` breaks losslessness on purpose so that tests can show their test catches it.
+    `broken` (a `BROKEN_MODES` name; `accept_all=True` is `broken="accept_all"`) breaks
+    losslessness on purpose so that tests can show that their test catches it.
     """
+    mode, scale = parse_broken_mode("accept_all" if accept_all else broken)
     if block_verification:
         raise NotImplementedError("block verification has no CPU implementation")
     if threshold_single != 1.0 or threshold_acc != 1.0:
@@ -106,10 +150,15 @@ def chain_speculative_sampling_torch(
     bs, n_slots = candidates.shape
     drafts = candidates[:, 1:]
     g = n_slots - 1
-    n = accept_lengths(drafts, target_probs, draft_probs, uniform_samples[:, :g].float())
-    if accept_all:  # deliberately broken (tests only): keeps every draft, not lossless
+    coins = uniform_samples[:, :g].float()
+    n = accept_lengths(
+        drafts, target_probs, draft_probs, coins, scale if mode == "ratio_scaled" else 1.0
+    )
+    if mode == "accept_all":  # deliberately broken (tests only): keeps every draft, not lossless
         n = torch.full_like(n, g)
-    final = _final_token(n, target_probs, draft_probs, uniform_samples_for_final_sampling.float())
+    final = _final_token(
+        n, target_probs, draft_probs, uniform_samples_for_final_sampling.float(), mode
+    )
 
     slots = retrive_index[:bs, :n_slots].long()
     cols = torch.arange(n_slots, device=candidates.device)

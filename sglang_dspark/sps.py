@@ -2,18 +2,34 @@
 
 The scheduler (scheduler.py, DSPARK.md section 3) maximises Theta = tau * SPS(B); with no
 table SGLang 0.5.23 uses a flat one and scheduling gains nothing. The plugin therefore
-profiles SPS at engine start-up (`profile_model_runner`, called from the DSPARK verify
-planner's construction in the scheduler process), unless `--speculative-dspark-sps-table-path`
-is given:
+profiles at engine start-up (`profile_verify` once the target's eager runner exists,
+`profile_draft` once the drafter's does, both before the server accepts requests), unless
+`--speculative-dspark-sps-table-path` is given. The result is SGLang's `SpsAdditiveCostTable`,
+the cost of one decode round:
 
-- a short sweep of real TARGET_VERIFY forward passes of the loaded target (SGLang's own dummy
-  verify batch, the one its warm-up uses) over (requests R, tokens per request k), i.e.
-  batch tokens B = R * k. Each B keeps the fewest requests that produce it (the shape compact
-  verify has when the scheduler trims windows); its value is 1 / median(seconds per step).
-- the table is SGLang's `SpsCostTable` JSON (floor lookup), cached on disk under
-  `<cache>/sps/<key>.json`, keyed by model (path and config.json), dtype, device, attention
-  backend, tensor parallel size, sglang and torch versions and the sweep itself. The next
-  start with the same key reads the file instead of profiling.
+    step_time(R, B) = bias + alpha(R) + theta(B)        SPS(B) = 1 / step_time, B = R + budget
+
+- theta(m): the target's TARGET_VERIFY forward at m batch tokens (SGLang's own dummy verify
+  batch, the one its warm-up uses) minus its value at one token, for m at every token count
+  up to 2 (gamma + 1) and on a coarser grid up to R_max (gamma + 1), each m timed with the
+  fewest requests that produce it (the shape compact verify has when windows are trimmed);
+  SGLang interpolates linearly between probes, so SPS is a smooth curve, not a staircase.
+- bias: that one-token verify forward, the part of the round no verify budget changes.
+- alpha(R): the DSpark draft pass for R requests, which every round pays before it verifies:
+  the drafter backbone over R blocks (the draft runner's own dummy TARGET_VERIFY forward),
+  the shared LM head on gamma positions per request, the gamma Markov steps and the
+  confidence head (the proposer's own functions, on the backbone's hidden-state shape).
+  Timed at start-up rather than from the first live rounds: the table is then complete before
+  the first request, deterministic for the cache key, and covers every R, not only the
+  concurrencies that happened to arrive first. Not priced: the per-request scheduler and
+  accept/commit work outside the forwards (it would also scale with R, not the budget).
+
+Timings are medians of repeats, made non-decreasing in m and in R by isotonic regression
+(noise must not tell the scheduler that verifying more is free). The table is cached on disk under
+`<cache>/sps/<key>.json`, keyed by model (path and config.json), dtype, device, attention
+backend, tensor parallel size, threads, sglang and torch versions, the probes and
+TABLE_VERSION; `<key>.table.json` beside it is the bare table, in SGLang's own format
+(`--speculative-dspark-sps-table-path` reads it).
 
 Offline: `sglang-dspark sps profile` starts the embedded server once (which profiles and
 fills the cache) and prints the table; `sglang-dspark sps plot TABLE.json --out sps.png`.
@@ -30,14 +46,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sglang.srt.speculative.dspark_components.dspark_sps import SpsCostTable
+from sglang.srt.speculative.dspark_components.dspark_sps import (
+    SpsAdditiveCostTable,
+    SpsCostTable,
+)
 
 from sglang_dspark.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
 # 3: the CPU verify attention became one batched SDPA per layer (old tables timed the per-request loop)
-TABLE_VERSION = 3
+# 4: additive table (bias + alpha(R) draft pass + theta(m) interpolated verify), dense m probes
+TABLE_VERSION = 4
+
+SpsTable = SpsCostTable | SpsAdditiveCostTable
 
 
 @dataclass(frozen=True)
@@ -54,7 +76,8 @@ class SpsKey:
     sglang_version: str
     torch_version: str
     max_requests: int
-    tokens_per_request: tuple[int, ...]
+    verify_tokens: tuple[int, ...]  # theta probes m
+    draft_requests: tuple[int, ...]  # alpha probes R
     version: int = TABLE_VERSION
 
     def digest(self) -> str:
@@ -75,138 +98,280 @@ def config_sha(model_path: str | Path) -> str:
     return hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.is_file() else "none"
 
 
-def sweep_shapes(max_requests: int, tokens_per_request: Sequence[int]) -> list[tuple[int, int]]:
-    """(R, k) pairs to time: R in 1, 2, 4, ... max_requests; for each B = R * k only the
-    smallest R (the fewest requests that reach B)."""
-    requests = sorted({min(2**i, max_requests) for i in range(max_requests.bit_length() + 1)})
-    best: dict[int, tuple[int, int]] = {}
-    for r in requests:
-        for k in sorted(set(tokens_per_request)):
-            b = r * k
-            if b not in best or r < best[b][0]:
-                best[b] = (r, k)
-    return [best[b] for b in sorted(best)]
+# --------------------------------------------------------------------------------------------
+# Probes
 
 
-def table_from_timings(seconds: dict[int, Sequence[float]]) -> SpsCostTable:
-    """batch tokens -> repeated step times  =>  SpsCostTable (1 / median), made non-increasing
-    in B (a bigger verify batch is never faster; timing noise must not tell the scheduler that
-    verifying more is free)."""
-    if not seconds:
-        raise ValueError("no SPS timings to build a table from")
+def verify_token_probes(max_requests: int, verify_num_draft_tokens: int) -> list[int]:
+    """Batch-token counts m at which theta is timed: every m up to 2 (gamma + 1) (where one or
+    two requests decide draft by draft), then 2^i and 3 2^(i-1) (24, 32, 48, 64, 96, ...) up to
+    R_max (gamma + 1), which is always included. Only m that R requests of k <= gamma + 1
+    tokens each make (R k = m) with R at most twice the fewest requests that can hold m (a
+    prime m = 11 would be 11 one-token requests: interpolated instead)."""
+    k_max = verify_num_draft_tokens
+    top = max_requests * k_max
+    grid = set(range(1, 2 * k_max + 1)) | {top}
+    x = 16
+    while x <= top:
+        grid.update((x, x + x // 2))
+        x *= 2
+    keep = []
+    for m in sorted(x for x in grid if x <= top):
+        shape = verify_shape(m, max_requests, k_max)
+        if shape is not None and (m == top or shape[0] <= 2 * -(-m // k_max)):
+            keep.append(m)
+    return keep
+
+
+def verify_shape(m: int, max_requests: int, k_max: int) -> tuple[int, int] | None:
+    """(R, k) with R k = m, k <= k_max, R <= max_requests and R the smallest, or None."""
+    for r in range(max(1, -(-m // k_max)), max_requests + 1):
+        if m % r == 0 and m // r <= k_max:
+            return r, m // r
+    return None
+
+
+def draft_request_probes(max_requests: int) -> list[int]:
+    """R at which the draft pass alpha(R) is timed: 1, 2, 4, ... and R_max (it is close to
+    linear in R; SGLang interpolates between probes)."""
+    return sorted(
+        {max_requests} | {2**i for i in range(max_requests.bit_length()) if 2**i <= max_requests}
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Timings -> table
+
+
+def _monotone_medians(seconds: dict[int, Sequence[float]]) -> tuple[list[int], list[float]]:
+    """Sorted keys and their median seconds, made non-decreasing by isotonic regression (pool
+    adjacent violators: a run that goes down is replaced by its mean), the least-squares
+    non-decreasing fit; a slow outlier is averaged with what follows it, not carried forward
+    as a running maximum would."""
     xs = sorted(seconds)
-    sps = [1.0 / max(statistics.median(seconds[b]), 1e-9) for b in xs]
-    for i in range(1, len(sps)):
-        sps[i] = min(sps[i], sps[i - 1])
-    return SpsCostTable(sample_batch_tokens=xs, sample_steps_per_sec=sps, max_batch_tokens=xs[-1])
+    blocks: list[list[float]] = []  # [sum, count] per pooled run
+    for x in xs:
+        blocks.append([statistics.median(seconds[x]), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    ys = [total / count for total, count in blocks for _ in range(int(count))]
+    return xs, ys
 
 
-def time_sweep(
-    run: Callable[[int, int], None],
-    shapes: Sequence[tuple[int, int]],
+def additive_table_from_timings(
+    verify_seconds: dict[int, Sequence[float]],
+    draft_seconds: dict[int, Sequence[float]] | None = None,
+) -> SpsAdditiveCostTable:
+    """Verify forward times by batch tokens m and draft pass times by requests R
+    => `SpsAdditiveCostTable` with bias = verify(m_min), theta(m) = verify(m) - bias,
+    alpha(R) = draft(R) (zero when no draft timings are given)."""
+    if not verify_seconds:
+        raise ValueError("no verify timings to build an SPS table from")
+    ms, verify = _monotone_medians(verify_seconds)
+    bias = max(verify[0], 1e-9)
+    if draft_seconds:
+        rs, alpha = _monotone_medians(draft_seconds)
+    else:
+        rs, alpha = [1], [0.0]
+    return SpsAdditiveCostTable(
+        bias_seconds=bias,
+        bs_probes=rs,
+        alpha_seconds=alpha,
+        m_probes=ms,
+        theta_seconds=[v - bias for v in verify],
+    )
+
+
+def step_seconds(table: SpsTable, *, num_reqs: int, batch_tokens: int) -> float:
+    """One round's predicted seconds at R requests and B batch tokens, as SGLang prices it."""
+    if isinstance(table, SpsAdditiveCostTable):
+        return table.step_time(num_reqs=num_reqs, budget=batch_tokens - num_reqs)
+    return 1.0 / table.lookup(batch_tokens)
+
+
+def time_calls(
+    run: Callable[[int], None],
+    points: Sequence[int],
     *,
-    repeats: int = 5,
+    repeats: int = 3,
     warmup: int = 1,
     sync: Callable[[], None] = lambda: None,
 ) -> dict[int, list[float]]:
-    """Call run(R, k) `warmup + repeats` times per shape; wall seconds per call, by B."""
-    out: dict[int, list[float]] = {}
-    for r, k in shapes:
-        for _ in range(warmup):
-            run(r, k)
-        sync()
-        times = []
-        for _ in range(repeats):
+    """Call run(x) `warmup + repeats` times per point; wall seconds per call, by point.
+
+    Sweeps are interleaved (warm-up sweeps, then `repeats` timed sweeps over every point), so
+    a burst of load from another process on a shared machine lands on one repeat of many
+    points, which their medians drop, rather than on every repeat of one point."""
+    for _ in range(warmup):
+        for x in points:
+            run(x)
+    sync()
+    out: dict[int, list[float]] = {x: [] for x in points}
+    for _ in range(repeats):
+        for x in points:
             t0 = time.perf_counter()
-            run(r, k)
+            run(x)
             sync()
-            times.append(time.perf_counter() - t0)
-        out[r * k] = times
+            out[x].append(time.perf_counter() - t0)
     return out
 
 
-def profile_model_runner(
-    model_runner, *, verify_num_draft_tokens: int, max_requests: int, repeats: int = 7
-) -> SpsCostTable:
-    """Time SGLang's dummy TARGET_VERIFY forward of the target over the sweep.
+# --------------------------------------------------------------------------------------------
+# Profiling the live engine (called by the plugin in the scheduler process)
 
-    Uses the eager runner's own `_dummy_run` (the warm-up path) on a fresh buffer set; the
-    tokens per request are varied by overriding the runner's `decode_num_tokens_per_req` for
-    the duration of the sweep.
-    """
+
+def _device_sync(device) -> Callable[[], None]:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return lambda: None
+    return lambda: torch.get_device_module(device).synchronize()
+
+
+def _dummy_forward(model_runner, max_requests: int, tokens_per_request: int):
+    """run(R, k): SGLang's dummy TARGET_VERIFY forward of `model_runner` (its warm-up path) for
+    R requests of k tokens, on one buffer set; `restore()` undoes the overrides."""
     import torch
 
     runner = getattr(model_runner, "eager_runner", None)
     if runner is None:
         raise RuntimeError(
-            "the target model runner has no eager runner yet; profile after init_cuda_graphs"
+            "the model runner has no eager runner yet; profile after init_cuda_graphs"
         )
-    ks = tokens_per_request_probes(verify_num_draft_tokens)
-    shapes = sweep_shapes(max_requests, ks)
     backend = model_runner.attn_backend
     try:
         backend.get_cuda_graph_seq_len_fill_value()
     except NotImplementedError:  # e.g. torch_native (CPU): dummy requests of length 1
         backend.get_cuda_graph_seq_len_fill_value = lambda: 1
-    buffers = runner._alloc_dummy_decode_buffers(
-        max_requests, num_tokens_per_req=max(ks), allocate_logits_buffer=False
-    )
-    if "get_cuda_graph_seq_len_fill_value" in vars(backend):
-        del backend.get_cuda_graph_seq_len_fill_value
-    original = model_runner.decode_num_tokens_per_req
+    try:
+        buffers = runner._alloc_dummy_decode_buffers(
+            max_requests, num_tokens_per_req=tokens_per_request, allocate_logits_buffer=False
+        )
+    finally:
+        if "get_cuda_graph_seq_len_fill_value" in vars(backend):
+            del backend.get_cuda_graph_seq_len_fill_value
 
     def run(r: int, k: int) -> None:
         model_runner.decode_num_tokens_per_req = lambda *a, **kw: k
         with torch.inference_mode():
             runner._dummy_run(batch_size=r, buffers=buffers)
 
-    device = torch.device(model_runner.device)
-    sync = (
-        (lambda: torch.get_device_module(device).synchronize())
-        if device.type != "cpu"
-        else (lambda: None)
-    )
-    try:
-        timings = time_sweep(run, shapes, repeats=repeats, sync=sync)
-    finally:
-        model_runner.decode_num_tokens_per_req = original
+    def restore() -> None:
         if "decode_num_tokens_per_req" in vars(model_runner):
             del model_runner.decode_num_tokens_per_req
-    return table_from_timings(timings)
+
+    return run, restore
 
 
-def tokens_per_request_probes(verify_num_draft_tokens: int) -> list[int]:
-    """1, 2, 4, ... and the full window gamma + 1."""
-    ks = {verify_num_draft_tokens}
-    k = 1
-    while k < verify_num_draft_tokens:
-        ks.add(k)
-        k *= 2
-    return sorted(ks)
+def profile_verify(
+    model_runner, *, verify_num_draft_tokens: int, max_requests: int, repeats: int = 3
+) -> dict[int, list[float]]:
+    """Seconds of the target's TARGET_VERIFY forward by batch tokens m."""
+    ms = verify_token_probes(max_requests, verify_num_draft_tokens)
+    run, restore = _dummy_forward(model_runner, max_requests, verify_num_draft_tokens)
+    shapes = {m: verify_shape(m, max_requests, verify_num_draft_tokens) for m in ms}
+    try:
+        return time_calls(
+            lambda m: run(*shapes[m]), ms, repeats=repeats, sync=_device_sync(model_runner.device)
+        )
+    finally:
+        restore()
 
 
-def load_cached(key: SpsKey) -> SpsCostTable | None:
+def profile_draft(
+    draft_runner,
+    draft_model,
+    *,
+    gamma: int,
+    max_requests: int,
+    tp_sync,
+    greedy_draft: bool = False,
+    repeats: int = 3,
+) -> dict[int, list[float]]:
+    """Seconds of the DSpark draft pass by requests R, in the worker's own pieces, as
+    `DraftBlockProposer.propose` runs them when the draft is not folded into a graph (CPU):
+    the draft runner's dummy TARGET_VERIFY forward over R blocks (backbone, reading the
+    injected context KV), then `compute_base_logits` (the shared LM head on R gamma rows),
+    `sample_draft_block` (gamma Markov steps, greedy rows) and `compute_confidence`. The
+    Markov noise is a private stream, so the server's draft randomness is untouched."""
+    import torch
+    from sglang.srt.speculative.dspark_components.dspark_draft import (
+        DraftNoise,
+        sample_draft_block,
+    )
+
+    q = gamma if draft_model.sample_from_anchor else gamma + 1
+    device = torch.device(draft_runner.device)
+    run_backbone, restore = _dummy_forward(draft_runner, max_requests, q)
+    hidden = int(draft_runner.model_config.hidden_size)
+    dtype = draft_runner.model_config.dtype
+    feats = torch.randn(max_requests * gamma, hidden, dtype=dtype, device=device)
+    anchors = torch.zeros(max_requests, dtype=torch.long, device=device)
+    noise = DraftNoise(key=0, offset=torch.zeros(1, dtype=torch.int64, device=device))
+
+    def run(r: int) -> None:
+        run_backbone(r, q)
+        with torch.inference_mode():
+            x = feats[: r * gamma]
+            base_logits, conf_features = draft_model.compute_base_logits(x)
+            block = sample_draft_block(
+                base_logits=base_logits.view(r, gamma, -1),
+                anchor_tokens=anchors[:r],
+                draft_hidden=x.view(r, gamma, -1),
+                sampling_info=None,
+                markov_head=draft_model.markov_head,
+                noise=noise,
+                device=device,
+                tp_sync=tp_sync,
+                greedy_draft=greedy_draft,
+            )
+            if draft_model.confidence_head is not None:
+                draft_model.compute_confidence(
+                    anchor_tokens=anchors[:r],
+                    draft_tokens=block.draft_tokens,
+                    confidence_features=conf_features,
+                )
+
+    try:
+        return time_calls(
+            run, draft_request_probes(max_requests), repeats=repeats, sync=_device_sync(device)
+        )
+    finally:
+        restore()
+
+
+def table_from_json(data: str) -> SpsTable:
+    """Either SGLang table from its JSON, told apart as SGLang's loader does."""
+    if '"bias_seconds"' in data:
+        return SpsAdditiveCostTable.from_json(data)
+    return SpsCostTable.from_json(data)
+
+
+def load_cached(key: SpsKey) -> SpsTable | None:
     path = cache_path(key)
     if not path.is_file():
         return None
     try:
         raw = json.loads(path.read_text())
-        return SpsCostTable.from_json(json.dumps(raw["table"]))
+        return table_from_json(json.dumps(raw["table"]))
     except (ValueError, KeyError, TypeError) as e:
         logger.warning("ignoring unreadable SPS cache %s (%s); profiling again", path, e)
         return None
 
 
-def save_cached(key: SpsKey, table: SpsCostTable, *, seconds: float) -> Path:
+def save_cached(key: SpsKey, table: SpsTable, *, seconds: float) -> Path:
     """Write `<key>.json` ({"key", "table", "profile_seconds"}) and `<key>.table.json` (the bare
-    SpsCostTable, what `--speculative-dspark-sps-table-path` takes), atomically."""
+    table, what `--speculative-dspark-sps-table-path` takes), atomically."""
     path = cache_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     table_json = json.loads(table.to_json())
     record = {"key": asdict(key), "table": table_json, "profile_seconds": round(seconds, 3)}
     for target, payload in ((path, record), (bare_table_path(key), table_json)):
         tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(json.dumps(record if payload is record else payload, indent=1))
+        tmp.write_text(json.dumps(payload, indent=1))
         tmp.replace(target)
     return path
 
@@ -215,9 +380,7 @@ def bare_table_path(key: SpsKey) -> Path:
     return sps_cache_dir() / f"{key.digest()}.table.json"
 
 
-def table_at_startup(
-    key: SpsKey, profile: Callable[[], SpsCostTable]
-) -> tuple[SpsCostTable, bool, Path]:
+def table_at_startup(key: SpsKey, profile: Callable[[], SpsTable]) -> tuple[SpsTable, bool, Path]:
     """The cached table for `key`, else profile and cache it. Returns (table, cached?, path)."""
     table = load_cached(key)
     if table is not None:
@@ -227,36 +390,70 @@ def table_at_startup(
     return table, False, save_cached(key, table, seconds=time.perf_counter() - t0)
 
 
-def plot_table(table: SpsCostTable, out: str | Path, *, title: str = "SPS(B)") -> Path:
-    """Steps/s and tokens/s upper bound (B * SPS) against batch tokens B, as a PNG."""
+def describe(table: SpsTable) -> str:
+    """One log line: the terms in milliseconds."""
+    if isinstance(table, SpsCostTable):
+        return (
+            f"B={table.sample_batch_tokens} "
+            f"steps/s={[round(x, 2) for x in table.sample_steps_per_sec]}"
+        )
+    ms = lambda xs: [round(1e3 * x, 1) for x in xs]
+    return (
+        f"bias={1e3 * table.bias_seconds:.1f} ms, alpha(R) ms at R={table.bs_probes}: "
+        f"{ms(table.alpha_seconds)}, theta(m) ms at m={table.m_probes}: {ms(table.theta_seconds)}"
+    )
+
+
+def plot_table(
+    table: SpsTable, out: str | Path, *, title: str = "SPS(B)", requests: Sequence[int] = (1, 4, 16)
+) -> Path:
+    """An `SpsAdditiveCostTable`: its two terms (verify bias + theta(m), draft alpha(R)) and
+    SPS(B) = 1 / step_time at a few request counts R; an `SpsCostTable`: its floor steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs, ys = table.sample_batch_tokens, table.sample_steps_per_sec
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ax.step(xs, ys, where="post", marker="o", label="steps/s (floor lookup)")
-    ax.set_xlabel("verify batch tokens B")
-    ax.set_ylabel("engine steps per second")
-    ax.set_xscale("log", base=2)
-    ax.grid(True, alpha=0.3)
-    ax2 = ax.twinx()
-    ax2.plot(
-        xs,
-        [x * y for x, y in zip(xs, ys)],
-        color="tab:orange",
-        marker=".",
-        label="B x SPS (tokens/s if every token were accepted)",
-    )
-    ax2.set_ylabel("B x SPS")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="center left", fontsize=8)
-    ax.set_title(title)
-    fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(table, SpsCostTable):
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        xs, ys = table.sample_batch_tokens, table.sample_steps_per_sec
+        ax.step(xs, ys, where="post", marker="o", label="steps/s (floor lookup)")
+        ax.set_xlabel("verify batch tokens B")
+        ax.set_ylabel("engine steps per second")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(title)
+    else:
+        fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13.5, 4.0))
+        ms = table.m_probes
+        a1.plot(ms, [1e3 * (table.bias_seconds + t) for t in table.theta_seconds], marker=".")
+        a1.axhline(1e3 * table.bias_seconds, color="grey", ls=":", label="bias")
+        a1.set_xlabel("verify batch tokens m")
+        a1.set_ylabel("ms")
+        a1.set_title("verify forward: bias + theta(m)")
+        a1.legend(fontsize=8)
+        a2.plot(table.bs_probes, [1e3 * a for a in table.alpha_seconds], marker="o",
+                color="tab:green")  # fmt: skip
+        a2.set_xlabel("requests R")
+        a2.set_ylabel("ms")
+        a2.set_title("draft pass: alpha(R)")
+        k = max(1, round(ms[-1] / max(table.bs_probes[-1], 1)))  # tokens per request at the top
+        for r in requests:
+            bs = list(range(r, r * k + 1))
+            a3.plot(bs, [b / step_seconds(table, num_reqs=r, batch_tokens=b) for b in bs],
+                    label=f"R={r}")  # fmt: skip
+        a3.set_xlabel("verify batch tokens B = R + budget")
+        a3.set_ylabel("B x SPS(B)  (tokens/s if all accepted)")
+        a3.set_xscale("log", base=2)
+        a3.set_title("one round, all terms")
+        a3.legend(fontsize=8)
+        for a in (a1, a2, a3):
+            a.grid(True, alpha=0.3)
+        fig.suptitle(title)
+    fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
@@ -274,10 +471,10 @@ def add_arguments(parser) -> None:
         "cache, or reads the cached table), stop it, print the table, optionally plot it",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--out", default=None, help="also copy the SpsCostTable JSON here")
+    p.add_argument("--out", default=None, help="also copy the bare table JSON here")
     p.add_argument("--plot", default=None, help="write the SPS curve as a PNG here")
     p.add_argument("--force", action="store_true", help="drop a cached table first")
-    p = sub.add_parser("plot", help="plot an SpsCostTable JSON (SGLang's format) as a PNG")
+    p = sub.add_parser("plot", help="plot an SPS table JSON (SGLang's format) as a PNG")
     p.add_argument("table")
     p.add_argument("--out", required=True)
 
@@ -287,9 +484,7 @@ def run(args) -> int:
         from sglang.srt.speculative.dspark_components.dspark_sps import load_sps_table_from_path
 
         table = load_sps_table_from_path(args.table)
-        if not isinstance(table, SpsCostTable):
-            raise ValueError(f"{args.table} is an additive cost table; only SpsCostTable plots")
-        print(plot_table(table, args.out, title=f"SPS(B): {Path(args.table).name}"))
+        print(plot_table(table, args.out, title=f"SPS: {Path(args.table).name}"))
         return 0
     return _profile_with_embedded_server(args)
 
@@ -311,19 +506,27 @@ def _profile_with_embedded_server(args) -> int:
     cmd = embedded.launch_command(paths, port=port, dtype=args.dtype)
     with SGLangServer(cmd, embedded.launch_env(scheduler="sync"), port, log) as server:
         text = server.log_text()
-    found = re.findall(r"DSpark SPS table (?:profiled at start-up in [0-9.]+ s, cached at|"
-                       r"read from) (\S+):", text)
+    found = re.findall(
+        r"DSpark SPS table (?:profiled at start-up in [0-9.]+ s, cached at|"
+        r"read from) (\S+):",
+        text,
+    )
     if not found:
         raise RuntimeError(f"the server did not report an SPS table; see {log}")
     record = json.loads(Path(found[-1]).read_text())
-    table = SpsCostTable.from_json(json.dumps(record["table"]))
+    table = table_from_json(json.dumps(record["table"]))
     print(f"SPS table {found[-1]} ({record.get('profile_seconds', '?')} s to profile)")
-    print(f"{'B':>6} {'steps/s':>9} {'B x steps/s':>12}")
-    for b, s in zip(table.sample_batch_tokens, table.sample_steps_per_sec):
-        print(f"{b:>6} {s:>9.2f} {b * s:>12.1f}")
+    print(describe(table))
+    if isinstance(table, SpsAdditiveCostTable):
+        top = table.m_probes[-1]
+        print(f"{'R':>4} {'B':>5} {'step ms':>8} {'B x steps/s':>12}")
+        for r in table.bs_probes:
+            for b in sorted({r, 2 * r, top * r // table.bs_probes[-1]}):
+                t = step_seconds(table, num_reqs=r, batch_tokens=b)
+                print(f"{r:>4} {b:>5} {1e3 * t:>8.1f} {b / t:>12.1f}")
     if args.out:
         shutil.copy(Path(found[-1]).with_name(Path(found[-1]).stem + ".table.json"), args.out)
         print(f"wrote {args.out} (--speculative-dspark-sps-table-path)")
     if args.plot:
-        print(f"wrote {plot_table(table, args.plot, title='SPS(B), embedded server')}")
+        print(f"wrote {plot_table(table, args.plot, title='SPS, embedded server')}")
     return 0

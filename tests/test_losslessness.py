@@ -1,10 +1,14 @@
 """Temperature 1: DSPARK's output distribution equals the target's, on the real server.
 
 For a few prompts we draw many short continuations from the embedded server with and without
-DSPARK and compare, per prompt and per generated position 2..4 (position 1 comes from prefill,
-not from speculation), the token distributions with chi-square tests at a family-wise
-false-alarm rate of 1% (sglang_dspark.losslessness). The same test must fail on a server whose
-sampler keeps every draft token (SGLANG_DSPARK_TEST_BREAK_SAMPLER=accept_all).
+DSPARK and compare, per prompt, the token distributions at generated positions 2..4 (position 1
+comes from prefill, not from speculation) and the joint distribution of the first three tokens,
+with chi-square tests at a family-wise false-alarm rate of 1% (sglang_dspark.losslessness). The
+same tests must fail on a server whose sampler keeps every draft token
+(SGLANG_DSPARK_TEST_BREAK_SAMPLER=accept_all); `sglang-dspark audit` must fail on a server whose
+replacement token comes from the unrenormalised residual (`no_renorm`) and on a server that
+does not speculate at all. Which broken samplers these sample sizes catch, and which they cannot, is
+worked out without a server in tests/test_negative_controls.py.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ PROMPTS = [
 SAMPLES = 240
 NEW_TOKENS = 4
 POSITIONS = [1, 2, 3]  # 0-based: generated tokens 2..4
+JOINT = (0, 1, 2)  # the first three generated tokens as one category
 
 
 def _sample(server, prompt_ids: list[int]) -> tuple[list[list[int]], dict]:
@@ -72,8 +77,9 @@ def test_dspark_temperature_1_matches_target_distribution(
     samples, correct, proposed = _collect(servers.get(embedded_paths), prompt_ids)
     # drafts must be both accepted and rejected, or the test exercises nothing
     assert 0 < correct < proposed, f"{correct} of {proposed} drafts accepted"
-    report = compare_samples(samples, reference, POSITIONS, alpha=0.01)
+    report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=0.01)
     assert len(report.tests) >= 6
+    assert any(t.joint for t in report.tests), report.summary()
     assert report.passed, report.summary()
 
 
@@ -87,7 +93,7 @@ def test_broken_sampler_fails_the_same_test(servers, embedded_paths, prompt_ids,
     )
     samples, correct, proposed = _collect(broken, prompt_ids)
     assert correct == proposed  # every draft kept
-    report = compare_samples(samples, reference, POSITIONS, alpha=0.01)
+    report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=0.01)
     assert not report.passed, report.summary()
 
 
@@ -99,32 +105,51 @@ def test_mtp1_baseline_temperature_1_matches_target_and_broken_sampler_does_not(
     and fail when the sampler keeps every draft."""
     samples, correct, proposed = _collect(servers.get(embedded_paths, arm="mtp1"), prompt_ids)
     assert 0 < correct < proposed, f"{correct} of {proposed} drafts accepted"
-    report = compare_samples(samples, reference, POSITIONS, alpha=0.01)
+    report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=0.01)
     assert len(report.tests) >= 6
+    assert any(t.joint for t in report.tests), report.summary()
     assert report.passed, report.summary()
     broken = servers.get(
         embedded_paths, arm="mtp1", env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all"}
     )
     samples, correct, proposed = _collect(broken, prompt_ids)
     assert correct == proposed  # every draft kept
-    report = compare_samples(samples, reference, POSITIONS, alpha=0.01)
+    report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=0.01)
     assert not report.passed, report.summary()
 
 
-def test_audit_command_passes_on_dspark_and_fails_on_broken_sampler(servers, embedded_paths):
-    """`sglang-dspark audit` against the embedded default (sync scheduling on): exit 0; then
-    exit 1 for the same scheduling server with the sampler broken."""
+def _audit(url: str, reference_url: str, *extra: str):
     import subprocess
     import sys
 
+    cmd = [sys.executable, "-m", "sglang_dspark.cli", "audit", "--url", url, "--reference-url",
+           reference_url, *extra]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
+def test_audit_command_fails_on_a_server_that_does_not_speculate(servers, embedded_paths):
+    """A plain server's output equals the reference's: the audit must not call that lossless
+    speculation (it stops after the greedy part, before any sampling)."""
+    plain = servers.get(embedded_paths, speculative=False)
+    out = _audit(plain.base_url, plain.base_url)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "no draft was proposed" in out.stdout and "NOT LOSSLESS" in out.stdout
+    assert "greedy prompt 0: equal" in out.stdout  # it did compare, and found nothing wrong
+    assert "skipped (no speculation to test)" in out.stdout
+
+
+def test_audit_command_passes_on_dspark_and_fails_on_broken_sampler(servers, embedded_paths):
+    """`sglang-dspark audit` against the embedded default (sync scheduling on): exit 0, with
+    drafts proposed and accepted and the power printed; then exit 1 for the same scheduling
+    server whose replacement token is drawn from max(0, p_t - p_d) without renormalising."""
     reference = servers.get(embedded_paths, speculative=False)
     good = servers.get(embedded_paths)
-    cmd = [sys.executable, "-m", "sglang_dspark.cli", "audit", "--reference-url",
-           reference.base_url, "--samples", "160"]  # fmt: skip
-    ok = subprocess.run(cmd + ["--url", good.base_url], capture_output=True, text=True, check=False)
+    ok = _audit(good.base_url, reference.base_url, "--samples", "160")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "LOSSLESS" in ok.stdout
-    broken = servers.get(embedded_paths, env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all"})
-    bad = subprocess.run(cmd + ["--url", broken.base_url], capture_output=True, text=True, check=False)
+    assert "LOSSLESS" in ok.stdout and "NOT LOSSLESS" not in ok.stdout
+    assert "detects with power 0.8: per position TV >= " in ok.stdout
+    assert "avg_spec_accept_length" in ok.stdout
+    broken = servers.get(embedded_paths, env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "no_renorm"})
+    bad = _audit(broken.base_url, reference.base_url, "--samples", "160")
     assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert "NOT LOSSLESS" in bad.stdout
+    assert "NOT LOSSLESS" in bad.stdout and "temperature 1: FAIL" in bad.stdout

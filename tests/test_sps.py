@@ -6,7 +6,9 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from sglang.srt.speculative.dspark_components.dspark_sps import (
+    SpsAdditiveCostTable,
     SpsCostTable,
     load_sps_table_from_path,
 )
@@ -27,38 +29,148 @@ def _key(**kw) -> sps.SpsKey:
         "sglang_version": "0.5.23",
         "torch_version": "2.14.1",
         "max_requests": 16,
-        "tokens_per_request": (1, 2, 4, 8),
+        "verify_tokens": (1, 2, 3, 4, 8),
+        "draft_requests": (1, 2, 4),
     }
     base.update(kw)
     return sps.SpsKey(**base)
 
 
-def test_sweep_keeps_the_fewest_requests_for_each_batch_size():
-    shapes = sps.sweep_shapes(16, [1, 2, 4, 8])
-    by_b = {r * k: (r, k) for r, k in shapes}
-    assert sorted(by_b) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert by_b[8] == (1, 8) and by_b[16] == (2, 8) and by_b[128] == (16, 8)
-    assert len(shapes) == len(by_b)  # one shape per B
-    assert sps.tokens_per_request_probes(8) == [1, 2, 4, 8]
-    assert sps.tokens_per_request_probes(5) == [1, 2, 4, 5]
+# Synthetic CPU-like costs (seconds): a verify forward that grows with batch tokens m and a
+# draft pass that grows with requests R, as measured on the embedded server's scale.
+def _verify_s(m: int) -> float:
+    return 0.045 + 0.0012 * (m - 1)
 
 
-def test_table_is_one_over_the_median_step_time():
-    table = sps.table_from_timings({4: [0.5, 0.25, 0.2], 1: [0.1, 0.1, 1.0]})
-    assert table.sample_batch_tokens == [1, 4]
-    assert table.sample_steps_per_sec == pytest.approx([10.0, 4.0])
-    assert table.max_batch_tokens == 4
+def _draft_s(r: int) -> float:
+    return 0.012 + 0.004 * r
+
+
+def _additive(*, draft: bool = True, max_requests: int = 16, k: int = 8):
+    verify = {m: [_verify_s(m)] * 3 for m in sps.verify_token_probes(max_requests, k)}
+    drafts = {r: [_draft_s(r)] * 3 for r in sps.draft_request_probes(max_requests)}
+    return sps.additive_table_from_timings(verify, drafts if draft else None)
+
+
+def _staircase(max_requests: int = 16, k: int = 8) -> SpsCostTable:
+    """The table of TABLE_VERSION 3: verify only, powers of two, floor lookup."""
+    xs = [2**i for i in range((max_requests * k).bit_length())]
+    return SpsCostTable(
+        sample_batch_tokens=xs,
+        sample_steps_per_sec=[1.0 / _verify_s(x) for x in xs],
+        max_batch_tokens=xs[-1],
+    )
+
+
+def test_probes_cover_every_small_batch_and_the_full_window():
+    ms = sps.verify_token_probes(16, 8)
+    assert ms[:10] == list(range(1, 11)) and ms[-1] == 128
+    assert {16, 32, 64, 96}.issubset(ms)
+    for m in ms:
+        r, k = sps.verify_shape(m, 16, 8)
+        assert r * k == m and k <= 8 and r <= 16
+    assert sps.verify_shape(8, 16, 8) == (1, 8) and sps.verify_shape(16, 16, 8) == (2, 8)
+    assert sps.draft_request_probes(16) == [1, 2, 4, 8, 16]
+    assert sps.draft_request_probes(5) == [1, 2, 4, 5]
+
+
+def test_fitted_table_reproduces_the_timings_it_was_fitted_on():
+    table = _additive()
+    assert isinstance(table, SpsAdditiveCostTable)
+    for r in (1, 2, 3, 5, 16):  # 5 is between alpha probes: linear, exact here
+        for m in (r, r + 1, 11, 13, 8 * r):  # 11 and 13 are not probed: interpolated
+            if m < r or m > 128:
+                continue
+            want = _verify_s(m) + _draft_s(r)
+            assert table.step_time(num_reqs=r, budget=m - r) == pytest.approx(want, rel=1e-9)
+            assert sps.step_seconds(table, num_reqs=r, batch_tokens=m) == pytest.approx(want)
+    # medians of repeats, and noise never makes a bigger batch or more requests cheaper
+    noisy = sps.additive_table_from_timings(
+        {1: [0.05, 0.9, 0.05], 2: [0.04], 4: [0.06]}, {1: [0.01], 2: [0.008], 4: [0.02]}
+    )
+    assert noisy.bias_seconds == pytest.approx(0.045)  # 0.05 then 0.04: pooled to their mean
+    assert noisy.theta_seconds == pytest.approx([0.0, 0.0, 0.015])
+    assert noisy.alpha_seconds == pytest.approx([0.009, 0.009, 0.02])
+    # a slow first probe is averaged with its neighbour, not carried up the curve
+    spike = sps.additive_table_from_timings({1: [0.07], 2: [0.05], 4: [0.06], 8: [0.08]})
+    assert spike.bias_seconds == pytest.approx(0.06)
+    assert spike.theta_seconds == pytest.approx([0.0, 0.0, 0.0, 0.02])
     with pytest.raises(ValueError):
-        sps.table_from_timings({})
-    noisy = sps.table_from_timings({1: [0.1], 2: [0.09], 4: [0.2]})  # B=2 timed faster than B=1
-    assert noisy.sample_steps_per_sec == pytest.approx([10.0, 10.0, 5.0])
+        sps.additive_table_from_timings({})
+    # no draft timings: the verify-only table (alpha = 0)
+    assert _additive(draft=False).alpha_seconds == [0.0]
 
 
-def test_time_sweep_runs_warmup_and_repeats_per_shape():
+def test_time_calls_runs_warmup_and_repeats_per_point():
     calls = []
-    out = sps.time_sweep(lambda r, k: calls.append((r, k)), [(1, 2), (2, 2)], repeats=3, warmup=1)
-    assert calls == [(1, 2)] * 4 + [(2, 2)] * 4
+    out = sps.time_calls(lambda x: calls.append(x), [2, 4], repeats=3, warmup=1)
+    assert calls == [2, 4] * 4  # one warm-up sweep, then three timed sweeps
     assert sorted(out) == [2, 4] and all(len(v) == 3 for v in out.values())
+
+
+def test_algorithm1_at_one_request_picks_intermediate_windows():
+    """R = 1, the same confidence c at every position: as c rises the window should grow one
+    draft at a time. The powers-of-two floor table is flat inside [4, 8): every draft there is
+    free, so the window only ever ends just before a probe (0, 2, 6 drafts) or takes all 7."""
+    from sglang_dspark.scheduler import schedule_sync
+
+    def windows(table) -> set[int]:
+        out = set()
+        for i in range(5, 100):
+            c = torch.full((1, 7), i / 100.0)
+            out.add(int(schedule_sync(c, table)[0]))
+        return out
+
+    staircase = windows(_staircase())
+    smooth = windows(_additive())
+    assert staircase <= {0, 2, 6, 7}
+    assert set(range(1, 7)) <= smooth  # every intermediate window occurs
+    # and upstream's planner (async) prices the same table the same way
+    from sglang.srt.speculative.dspark_components.dspark_planner import (
+        DSparkScheduleConfig,
+        compute_verify_token_budget,
+    )
+
+    budgets = {
+        compute_verify_token_budget(
+            history_survival_probs=torch.cumprod(torch.full((1, 7), i / 100.0), 1),
+            sps_table=_additive(),
+            cfg=DSparkScheduleConfig(gamma=7),
+        ).budget
+        for i in range(5, 100)
+    }
+    assert set(range(1, 7)) <= budgets
+
+
+def test_draft_cost_makes_the_optimal_budget_at_high_load_larger():
+    """Every round pays the draft pass whatever it verifies; a table that prices it makes each
+    extra verify token relatively cheaper, so at 16 requests the planner verifies more."""
+    from sglang.srt.speculative.dspark_components.dspark_planner import (
+        DSparkScheduleConfig,
+        compute_verify_token_budget,
+    )
+
+    from sglang_dspark.scheduler import schedule_sync
+
+    c = torch.rand(16, 7, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.45
+    cfg = DSparkScheduleConfig(gamma=7)
+    a = torch.cumprod(c, 1)
+    with_draft = compute_verify_token_budget(
+        history_survival_probs=a, sps_table=_additive(), cfg=cfg
+    ).budget
+    verify_only = compute_verify_token_budget(
+        history_survival_probs=a, sps_table=_additive(draft=False), cfg=cfg
+    ).budget
+    assert with_draft > verify_only
+    assert int(schedule_sync(c, _additive()).sum()) > int(
+        schedule_sync(c, _additive(draft=False)).sum()
+    )
+    # one request: the draft pass is small next to the verify forward, the window is the same
+    c1 = c[:1]
+    assert (
+        schedule_sync(c1, _additive()).tolist()
+        >= schedule_sync(c1, _additive(draft=False)).tolist()
+    )
 
 
 def test_cache_key_changes_with_every_field():
@@ -80,9 +192,7 @@ def test_startup_table_is_profiled_once_then_read_from_disk(tmp_path, monkeypatc
 
     def profile():
         profiled.append(1)
-        return SpsCostTable(
-            sample_batch_tokens=[1, 8], sample_steps_per_sec=[10.0, 8.0], max_batch_tokens=8
-        )
+        return _additive()
 
     key = _key()
     t1, cached1, path = sps.table_at_startup(key, profile)
@@ -91,9 +201,16 @@ def test_startup_table_is_profiled_once_then_read_from_disk(tmp_path, monkeypatc
     assert t1 == t2
     assert path.parent == tmp_path / "sps"
     record = json.loads(path.read_text())
-    assert record["key"]["dtype"] == "bfloat16" and record["table"]["sample_batch_tokens"] == [1, 8]
+    assert record["key"]["dtype"] == "bfloat16" and record["key"]["version"] == sps.TABLE_VERSION
+    assert record["table"]["bs_probes"] == [1, 2, 4, 8, 16]
+    assert isinstance(t2, SpsAdditiveCostTable)
     # The bare table beside it is what --speculative-dspark-sps-table-path takes, read by SGLang.
     assert load_sps_table_from_path(str(sps.bare_table_path(key))) == t1
+    # A floor table (e.g. written by an older plugin under another key) still reads back.
+    floor = SpsCostTable(sample_batch_tokens=[1, 8], sample_steps_per_sec=[9.0, 8.0],
+                         max_batch_tokens=8)  # fmt: skip
+    sps.save_cached(_key(dtype="x"), floor, seconds=0.0)
+    assert sps.load_cached(_key(dtype="x")) == floor
     # Another dtype is another table.
     sps.table_at_startup(_key(dtype="float32"), profile)
     assert len(profiled) == 2
@@ -113,12 +230,12 @@ def test_corrupt_cache_file_is_profiled_again(tmp_path, monkeypatch):
     assert not cached and table.sample_steps_per_sec == [3.0]
 
 
-def test_plot_writes_a_png(tmp_path):
-    table = SpsCostTable(
-        sample_batch_tokens=[1, 8, 64], sample_steps_per_sec=[10.0, 9.0, 4.0], max_batch_tokens=64
-    )
+@pytest.mark.parametrize("kind", ["additive", "floor"])
+def test_plot_writes_a_png(tmp_path, kind):
+    table = _additive() if kind == "additive" else _staircase()
     out = sps.plot_table(table, tmp_path / "sps.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "bias=45.0 ms" in sps.describe(_additive())
 
 
 # ------------------------------------------------------------------ scheduler mode settings

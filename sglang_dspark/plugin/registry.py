@@ -1,23 +1,327 @@
-"""Thin wrappers over SGLang's HookRegistry so every hook registers the same way."""
+"""How every hook registers with SGLang's HookRegistry, and the checks that make it fail loudly.
+
+Hook modules call `register_replace/around/before/after(target, fn)`. While `install_checked`
+runs a hook's `install()`, those calls are recorded, so that for every hook we know the SGLang
+targets it changes. Then, per hook (one failing hook never hides another):
+
+1. `install()` itself must not raise;
+2. every target must resolve (an upstream rename fails here, not at the first request) and its
+   `inspect.signature` must equal the one recorded below in `UPSTREAM_SIGNATURES`, the
+   signature of SGLang 0.5.23's function that the hook was written against (a new keyword
+   would otherwise be a TypeError inside the scheduler loop);
+3. after `HookRegistry.apply_hooks()`, every target must really be patched (SGLang logs a
+   failed application and carries on), and the hooks that change SGLang without the registry
+   (`APPLIED_CHECKS`) must show their change.
+
+Adding a hook target means adding its signature to `UPSTREAM_SIGNATURES`: the refusal names
+the target and prints the live signature to copy.
+"""
 
 from __future__ import annotations
 
+import contextvars
+import inspect
+import pkgutil
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+# target -> its signature in SGLang 0.5.23, as `signature_text` prints it (annotations left
+# out). None: the target must only resolve (sgl-kernel CPU ops, which are patch 0001's
+# `(*args, **kwargs)` placeholders here and compiled ops without a Python signature on a
+# machine with sgl-kernel's CPU build; plain attributes a hook assigns).
+UPSTREAM_SIGNATURES: dict[str, str | None] = {
+    # cpu_sgl_kernel_ops
+    "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_cpu": None,
+    "sglang.kernels.ops.speculative.cache_locs.assign_extend_cache_locs_cpu": None,
+    "sglang.kernels.ops.speculative.cache_locs.assign_draft_cache_locs_contiguous_cpu": None,
+    "sglang.kernels.ops.speculative.eagle.fill_bonus_tokens_cpu": None,
+    "sglang.kernels.ops.speculative.eagle.fill_accept_out_cache_loc_cpu": None,
+    "sglang.kernels.ops.kvcache.cache_move.copy_all_layer_kv_cache_cpu": None,
+    # cpu_scheduler_malloc_trim
+    "sglang.srt.managers.scheduler.Scheduler.run_event_loop": "(self)",
+    # cpu_engine_for_device_cpu
+    "sglang.srt.arg_groups.platform_hook.handle_cpu_backends": "(server_args)",
+    "sglang.srt.utils.common.is_cpu": "()",
+    "sglang.srt.arg_groups.overrides.resolving_view": "(server_args)",
+    # dspark_cpu_device_gate, dspark_draft_validation, dspark_scheduler_mode
+    "sglang.srt.arg_groups.speculative_hook._handle_dspark": "(server_args)",
+    "sglang.srt.arg_groups.speculative_hook.resolving_view": "(server_args)",
+    # torch_native_draft_backend
+    "sglang.srt.arg_groups.choices.DRAFT_ATTENTION_BACKEND_CHOICES": None,
+    "sglang.srt.arg_groups.choices.add_draft_attention_backend_choices": "(iterable, /)",
+    # cpu_record_stream_noop
+    "torch.Tensor.record_stream": None,
+    # cpu_bf16_draft_kernels
+    "sglang.srt.models.dspark.DSparkDraftMixin._fused_kv_write_bundle": "(self, pool)",
+    "sglang.srt.models.dflash.DFlashAttention.__init__": (
+        "(self, config, layer_id, quant_config=None, prefix='')"
+    ),
+    # eagle_cpu_chain_only
+    "sglang.srt.arg_groups.speculative_hook._handle_eagle_family": "(server_args)",
+    # eagle_torch_native_draft_extend
+    "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend": (
+        "(self, backend_name, backend_map, error_template, stamps_children=False)"
+    ),
+    # cpu_eagle_tree_ops
+    "sglang.kernels.ops.speculative.spec_tree.sgl_build_tree_kernel_efficient_cpu": None,
+    "sglang.kernels.ops.speculative.spec_tree.sgl_verify_tree_greedy_cpu": None,
+    # cpu_eagle_sampling_verify
+    "sglang.srt.speculative.eagle_utils._verify_uses_greedy": (
+        "(*, is_all_greedy, is_cpu, is_hip, is_xpu, use_rejection_sampling)"
+    ),
+    "sglang.srt.speculative.eagle_utils.tree_speculative_sampling_target_only": None,
+    "sglang.srt.speculative.eagle_utils.top_k_renorm_prob": None,
+    "sglang.srt.speculative.eagle_utils.top_p_renorm_prob": None,
+    # cpu_row_argmax
+    "sglang.srt.speculative.spec_utils.row_argmax": "(x)",
+    # torch_native_target_verify
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend": (
+        "(self, q, k, v, layer, forward_batch, save_kv_cache=True)"
+    ),
+    # cpu_greedy_markov_step
+    "sglang.kernels.ops.speculative.dspark.markov_sample.MarkovSampleStep.torch": (
+        "(cls, *, base_logits, bias, temperatures, key, offset, step, step_dtype, vocab_start=0, "
+        "gather=None, gather_logits=None, logits_out=None, has_sampled_rows=None)"
+    ),
+    # cpu_rejection_sampler
+    "sglang.kernels.ops.speculative.dspark.dspark_accept.chain_speculative_sampling_triton": (
+        "(predicts, accept_index, accept_token_num, candidates, retrive_index, "
+        "retrive_next_token, retrive_next_sibling, uniform_samples, "
+        "uniform_samples_for_final_sampling, target_probs, draft_probs, threshold_single, "
+        "threshold_acc, deterministic, *, block_verification=False)"
+    ),
+    # dspark_sync_scheduler
+    "sglang.srt.speculative.dspark_components.dspark_planner.HostConfidenceBudgetPlanner"
+    ".compute_budget": (
+        "(self, *, confidence, generation, current_generation, req_pool_indices_cpu)"
+    ),
+    # dspark_sps_startup
+    "sglang.srt.speculative.dspark_components.dspark_planner.DSparkVerifyPlanner.__init__": (
+        "(self, *, draft_model, gamma, model_runner, device, tp_rank, verify_num_draft_tokens, "
+        "tp_sync)"
+    ),
+    "sglang.srt.speculative.dspark_components.dspark_planner.build_sps_cost_table": (
+        "(*, verify_num_draft_tokens)"
+    ),
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs": (
+        "(self, capture_decode_cuda_graph=True)"
+    ),
+    # dspark_sts_recorder
+    "sglang.srt.speculative.dspark_components.dspark_observability.DsparkStepObservers"
+    ".observe_verify_step": (
+        "(self, *, forward_ct, reqs, bs, proposal_folded, verify_ids_2d, target_logits, layout, "
+        "confidence, confidence_raw, prefix_lens, draft_tokens, draft_block, sampling_info, "
+        "correct_len, cap_trim_lens, bonus, commit_lens, verify_token_budget, req_pool_indices, "
+        "verify_tier_num_tokens, dp_tier_num_tokens)"
+    ),
+    "sglang.srt.speculative.dspark_components.dspark_observability.DsparkStepObservers"
+    ".note_request_finished": "(self, *, rid, natural_stop)",
+}
+
+# Targets a hook changes or calls without the HookRegistry (direct assignment, module
+# internals it reads): checked like registered targets, before its install() runs.
+DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
+    "cpu_engine_for_device_cpu": (
+        "sglang.srt.utils.common.is_cpu",
+        "sglang.srt.arg_groups.overrides.resolving_view",
+    ),
+    "dspark_cpu_device_gate": ("sglang.srt.arg_groups.speculative_hook.resolving_view",),
+    "torch_native_draft_backend": (
+        "sglang.srt.arg_groups.choices.DRAFT_ATTENTION_BACKEND_CHOICES",
+        "sglang.srt.arg_groups.choices.add_draft_attention_backend_choices",
+    ),
+    "cpu_record_stream_noop": ("torch.Tensor.record_stream",),
+    "cpu_eagle_sampling_verify": (
+        "sglang.srt.speculative.eagle_utils.tree_speculative_sampling_target_only",
+        "sglang.srt.speculative.eagle_utils.top_k_renorm_prob",
+        "sglang.srt.speculative.eagle_utils.top_p_renorm_prob",
+    ),
+}
+
+
+def _draft_backend_applied() -> str | None:
+    from sglang.srt.arg_groups import choices
+
+    if "torch_native" not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
+        return "torch_native is still missing from DRAFT_ATTENTION_BACKEND_CHOICES"
+    return None
+
+
+def _record_stream_applied() -> str | None:
+    import torch
+
+    from sglang_dspark.plugin import cpu_dspark
+
+    if torch.Tensor.record_stream is not cpu_dspark._record_stream:
+        return "torch.Tensor.record_stream is not the CPU no-op"
+    return None
+
+
+def _sampling_verify_applied() -> str | None:
+    from sglang.srt.speculative import eagle_utils
+    from sglang.srt.utils import is_cpu
+
+    from sglang_dspark.plugin import cpu_eagle
+
+    if not is_cpu():
+        return None  # the hook changes nothing off CPU
+    ours = cpu_eagle.tree_speculative_sampling_target_only_torch
+    if eagle_utils.tree_speculative_sampling_target_only is not ours:
+        return "eagle_utils.tree_speculative_sampling_target_only is not the torch sampler"
+    if eagle_utils.top_k_renorm_prob is None or eagle_utils.top_p_renorm_prob is None:
+        return "eagle_utils.top_k_renorm_prob / top_p_renorm_prob are still None"
+    return None
+
+
+# Hooks that change SGLang without the HookRegistry: how to see that the change is in place.
+APPLIED_CHECKS: dict[str, Callable[[], str | None]] = {
+    "torch_native_draft_backend": _draft_backend_applied,
+    "cpu_record_stream_noop": _record_stream_applied,
+    "cpu_eagle_sampling_verify": _sampling_verify_applied,
+}
+
+# The targets registered by the hook whose install() is running (None outside install_checked).
+_recording: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "sglang_dspark_recording", default=None
+)
+
+
+def _register(target: str, hook: Callable, hook_type_name: str) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(target, hook, HookType[hook_type_name])
+    recorded = _recording.get()
+    if recorded is not None and target not in recorded:
+        recorded.append(target)
 
 
 def register_replace(target: str, impl: Callable) -> None:
-    HookRegistry.register(target, impl, HookType.REPLACE)
+    _register(target, impl, "REPLACE")
 
 
 def register_around(target: str, hook: Callable) -> None:
-    HookRegistry.register(target, hook, HookType.AROUND)
+    _register(target, hook, "AROUND")
 
 
 def register_before(target: str, hook: Callable) -> None:
-    HookRegistry.register(target, hook, HookType.BEFORE)
+    _register(target, hook, "BEFORE")
 
 
 def register_after(target: str, hook: Callable) -> None:
-    HookRegistry.register(target, hook, HookType.AFTER)
+    _register(target, hook, "AFTER")
+
+
+# ------------------------------------------------------------------------------- checks
+def resolve(target: str) -> object:
+    """The object `HookRegistry` would wrap for `target` (a classmethod's function, not the
+    bound method). Raises ImportError / AttributeError / ValueError when it does not exist."""
+    parent, _, attr = target.rpartition(".")
+    if not parent:
+        raise ValueError(f"{target!r} is not a dotted module.attribute path")
+    owner = pkgutil.resolve_name(parent)
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
+    if isinstance(raw, (classmethod, staticmethod)):
+        return raw.__func__
+    return getattr(owner, attr)
+
+
+def signature_text(fn: object) -> str | None:
+    """`inspect.signature` without annotations, e.g. "(self, pool)"; None when it has none."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    empty = inspect.Parameter.empty
+    params = [p.replace(annotation=empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+def check_target(target: str) -> tuple[object | None, str | None]:
+    """(the live object, None) when `target` exists with the recorded signature, else
+    (None or the object, a sentence saying what differs)."""
+    try:
+        live = resolve(target)
+    except Exception as exc:  # noqa: BLE001 - any failure to resolve is the finding
+        return None, (
+            f"{target} does not resolve ({type(exc).__name__}: {exc}): renamed or removed upstream?"
+        )
+    if target not in UPSTREAM_SIGNATURES:
+        return live, (
+            f"{target} has no recorded upstream signature; add "
+            f"{target!r}: {signature_text(live)!r} to UPSTREAM_SIGNATURES in "
+            "sglang_dspark/plugin/registry.py after checking the hook against it"
+        )
+    want = UPSTREAM_SIGNATURES[target]
+    if want is not None:
+        have = signature_text(live)
+        if have != want:
+            return live, f"{target} has the signature {have}, the hook was written against {want}"
+    return live, None
+
+
+@dataclass
+class HookCheck:
+    """What `install_checked` found for one hook."""
+
+    name: str
+    targets: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def install_checked(hooks: dict[str, Callable[[], None]]) -> list[HookCheck]:
+    """Install every hook, check its targets, apply all hooks, verify each is in place.
+
+    Every hook is installed and checked on its own, so the result lists every failing hook.
+    Hooks are applied only when none failed before application.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    checks: list[HookCheck] = []
+    originals: dict[str, object] = {}
+    for name, install in hooks.items():
+        check = HookCheck(name)
+        checks.append(check)
+        for target in DIRECT_TARGETS.get(name, ()):
+            _, problem = check_target(target)
+            if problem:
+                check.problems.append(problem)
+        if check.problems:
+            continue  # do not run an install whose upstream names are already known wrong
+        token = _recording.set([])
+        try:
+            install()
+        except Exception as exc:  # noqa: BLE001 - collected, reported with every other failure
+            check.problems.append(f"install() raised {type(exc).__name__}: {exc}")
+        finally:
+            check.targets = _recording.get() or []
+            _recording.reset(token)
+        for target in check.targets:
+            live, problem = check_target(target)
+            if problem:
+                check.problems.append(problem)
+            elif target not in originals:
+                originals[target] = live
+    if any(c.problems for c in checks):
+        return checks
+
+    HookRegistry.apply_hooks()  # idempotent: SGLang's own call after the plugins skips these
+    for check in checks:
+        for target in check.targets:
+            try:
+                now = resolve(target)
+            except Exception as exc:  # noqa: BLE001
+                check.problems.append(f"{target} vanished while hooks were applied: {exc}")
+                continue
+            if now is originals[target]:
+                check.problems.append(
+                    f"{target} is not patched: SGLang's HookRegistry did not apply the hook "
+                    "(its log says why: 'Failed to apply hooks to ...')"
+                )
+        verify = APPLIED_CHECKS.get(check.name)
+        try:
+            problem = verify() if verify is not None else None
+        except Exception as exc:  # noqa: BLE001
+            problem = f"its check raised {type(exc).__name__}: {exc}"
+        if problem:
+            check.problems.append(f"not applied: {problem}")
+    return checks

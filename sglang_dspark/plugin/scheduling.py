@@ -10,13 +10,17 @@
   (the top-K of the current survivals with K = Algorithm 1's total are its lengths). The
   overlap scheduler is turned off, so the confidences the budget reads are this step's.
 
-Unset, SGLang behaves as upstream. Hooks:
+Unset, a DSPARK launch gets `sync` (`DEFAULT_MODE`), unless `SGLANG_RAGGED_VERIFY_MODE` is
+set: then SGLang behaves as upstream in that mode. Hooks:
 
 - `dspark_scheduler_mode`: maps the mode to `SGLANG_RAGGED_VERIFY_MODE`, refuses a conflicting
-  explicit value, and turns off the overlap scheduler for `sync`.
+  explicit value, and turns off the overlap scheduler for `sync`. The default is set while the
+  launcher resolves a DSPARK launch's arguments (only DSPARK reads it), so every process that
+  SGLang starts afterwards inherits it.
 - `dspark_sync_scheduler`: the budget of `sync` (HostConfidenceBudgetPlanner.compute_budget).
 - `dspark_sps_startup`: with a scheduling mode and no `--speculative-dspark-sps-table-path`,
-  SPS(B) is profiled by the target's own verify forward at start-up and cached on disk
+  the round's cost (SGLang's additive table: the target's own verify forward by batch tokens,
+  the DSpark draft pass by requests) is profiled at start-up and cached on disk
   (sglang_dspark.sps); `SGLANG_DSPARK_SPS_PROFILE=0` keeps upstream's flat table.
 """
 
@@ -33,6 +37,7 @@ logger = logging.getLogger(__name__)
 SCHEDULER_ENV = "SGLANG_DSPARK_SCHEDULER"
 RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 MODES = {"static": "static", "async": "compact", "sync": "compact"}
+DEFAULT_MODE = "sync"  # a DSPARK launch with neither variable set
 
 
 class SchedulerConfigError(ValueError):
@@ -53,12 +58,17 @@ def scheduler_mode(environ: dict[str, str] | None = None) -> str | None:
     return raw
 
 
-def apply_mode_env(environ: dict[str, str] | None = None) -> str | None:
+def apply_mode_env(
+    environ: dict[str, str] | None = None, *, default: str | None = None
+) -> str | None:
     """Set SGLANG_RAGGED_VERIFY_MODE from the scheduler mode (before SGLang reads it).
 
+    `default` is the mode written to SGLANG_DSPARK_SCHEDULER when neither variable is set.
     Raises when both are set and disagree, rather than silently picking one.
     """
     env = os.environ if environ is None else environ
+    if default is not None and not env.get(SCHEDULER_ENV, "").strip() and not env.get(RAGGED_ENV):
+        env[SCHEDULER_ENV] = default
     raw = scheduler_mode(env)
     if raw is None:
         return None
@@ -75,7 +85,8 @@ def apply_mode_env(environ: dict[str, str] | None = None) -> str | None:
 
 # ------------------------------------------------------------------------- mode / overlap
 def _handle_dspark_with_mode(server_args):
-    mode = apply_mode_env()  # raises SchedulerConfigError for a bad or conflicting setting
+    # raises SchedulerConfigError for a bad or conflicting setting
+    mode = apply_mode_env(default=DEFAULT_MODE)
     if mode == "sync":
         from sglang.srt.arg_groups.overrides import declare_resolution
 
@@ -154,8 +165,10 @@ def install_sync_budget() -> None:
 # The DSPARK worker builds its verify planner (and asks for the SPS table) before the target's
 # memory pool, attention backend and eager runner exist. A cached table is returned at once;
 # otherwise the planner gets a provisional two-probe table (so it does not fall back to
-# verify-all) and the real profile runs right after the target's graphs/eager runner are set
-# up (ModelRunner.init_cuda_graphs), before the server accepts requests.
+# verify-all) and the real profile runs in two parts before the server accepts requests:
+# the verify sweep right after the target's graphs/eager runner are set up, the draft pass
+# right after the drafter's (ModelRunner.init_cuda_graphs runs for both, target first). The
+# verify-only table is installed at once; the full one replaces it and is cached.
 _planner_ctx: dict = {}
 _pending: list[dict] = []
 
@@ -163,6 +176,7 @@ _pending: list[dict] = []
 def _planner_init(original, planner, *args, **kwargs):
     _planner_ctx.clear()
     _planner_ctx["runner"] = kwargs.get("model_runner")
+    _planner_ctx["draft"] = {k: kwargs.get(k) for k in ("draft_model", "gamma", "tp_sync")}
     try:
         result = original(planner, *args, **kwargs)
         job = _planner_ctx.get("pending")
@@ -192,7 +206,8 @@ def sps_key_for(model_runner, *, verify_num_draft_tokens: int, max_requests: int
         sglang_version=sglang.__version__,
         torch_version=torch.__version__,
         max_requests=int(max_requests),
-        tokens_per_request=tuple(sps.tokens_per_request_probes(verify_num_draft_tokens)),
+        verify_tokens=tuple(sps.verify_token_probes(max_requests, verify_num_draft_tokens)),
+        draft_requests=tuple(sps.draft_request_probes(max_requests)),
     )
 
 
@@ -226,18 +241,14 @@ def _build_sps_table(original, *, verify_num_draft_tokens):
     )
     table = sps.load_cached(key)
     if table is not None:
-        logger.info(
-            "DSpark SPS table read from %s: B=%s steps/s=%s",
-            sps.cache_path(key),
-            table.sample_batch_tokens,
-            [round(x, 2) for x in table.sample_steps_per_sec],
-        )
+        logger.info("DSpark SPS table read from %s: %s", sps.cache_path(key), sps.describe(table))
         return table
     _planner_ctx["pending"] = {
         "runner": runner,
         "key": key,
         "max_requests": max_requests,
         "verify_num_draft_tokens": verify_num_draft_tokens,
+        **_planner_ctx.get("draft", {}),
     }
     top = max_requests * verify_num_draft_tokens
     return SpsCostTable(
@@ -246,28 +257,64 @@ def _build_sps_table(original, *, verify_num_draft_tokens):
 
 
 def _profile_after_graphs(result, model_runner, *args, **kwargs):
+    """Target runner: time the verify sweep, install the verify-only table. Draft runner (next):
+    time the draft pass, install and cache the full table."""
     from sglang_dspark import sps
 
-    for job in [j for j in _pending if j["runner"] is model_runner]:
-        _pending.remove(job)
+    if getattr(model_runner, "is_draft_worker", False):
+        jobs = [j for j in _pending if "verify" in j]
+        if jobs:
+            _finish_with_draft(jobs[0], model_runner)
+        return
+    for job in [j for j in _pending if j["runner"] is model_runner and "verify" not in j]:
         t0 = time.perf_counter()
-        table = sps.profile_model_runner(
+        job["verify"] = sps.profile_verify(
             model_runner,
             verify_num_draft_tokens=job["verify_num_draft_tokens"],
             max_requests=job["max_requests"],
         )
-        seconds = time.perf_counter() - t0
-        path = sps.save_cached(job["key"], table, seconds=seconds)
-        budget_planner = getattr(job["planner"], "_budget_planner", None)
-        if budget_planner is not None:
-            budget_planner.sps_table = table
-        logger.info(
-            "DSpark SPS table profiled at start-up in %.1f s, cached at %s: B=%s steps/s=%s",
-            seconds,
-            path,
-            table.sample_batch_tokens,
-            [round(x, 2) for x in table.sample_steps_per_sec],
-        )
+        job["seconds"] = time.perf_counter() - t0
+        _install(job, sps.additive_table_from_timings(job["verify"]))
+        if job.get("draft_model") is None:  # nothing to time the draft pass with
+            _finish_with_draft(job, None)
+
+
+def _finish_with_draft(job: dict, draft_runner) -> None:
+    from sglang.srt.environ import envs
+
+    from sglang_dspark import sps
+
+    _pending.remove(job)
+    t0 = time.perf_counter()
+    draft = None
+    if draft_runner is not None:
+        try:
+            draft = sps.profile_draft(
+                draft_runner,
+                job["draft_model"],
+                gamma=int(job["gamma"]),
+                max_requests=job["max_requests"],
+                tp_sync=job["tp_sync"],
+                greedy_draft=bool(envs.SGLANG_DSPARK_USE_GREEDY_DRAFT.get()),
+            )
+        except Exception as e:  # noqa: BLE001 - a drafter we cannot time must not stop serving
+            logger.warning("DSpark SPS: the draft pass could not be timed (%r); alpha = 0", e)
+    table = sps.additive_table_from_timings(job["verify"], draft)
+    seconds = job["seconds"] + time.perf_counter() - t0
+    path = sps.save_cached(job["key"], table, seconds=seconds)
+    _install(job, table)
+    logger.info(
+        "DSpark SPS table profiled at start-up in %.1f s, cached at %s: %s",
+        seconds,
+        path,
+        sps.describe(table),
+    )
+
+
+def _install(job: dict, table) -> None:
+    budget_planner = getattr(job["planner"], "_budget_planner", None)
+    if budget_planner is not None:
+        budget_planner.sps_table = table
 
 
 def install_sps_startup() -> None:

@@ -9,6 +9,7 @@ reports {"probe": name, "ok": bool, "error": "..."}; tests/test_plugin.py runs b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -70,6 +71,45 @@ def cpu_sgl_kernel_ops():
     )
     for t in layers:
         assert t[6].tolist() == [4, 5, 6, 7] and t[7].tolist() == [8, 9, 10, 11]
+
+
+@probe
+def cpu_engine_for_device_cpu():
+    from sglang.srt.server_args import prepare_server_args
+
+    saved = os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+    try:
+        args = prepare_server_args([
+            "--model-path", os.environ["PROBE_TARGET"], "--device", "cpu",
+            "--attention-backend", "torch_native",
+        ])  # fmt: skip
+        args.resolve_once()
+        engine = os.environ.get("SGLANG_USE_CPU_ENGINE")
+    finally:
+        if saved is None:
+            os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+        else:
+            os.environ["SGLANG_USE_CPU_ENGINE"] = saved
+    assert engine == "1", (
+        "--device cpu resolved without SGLANG_USE_CPU_ENGINE=1: the scheduler would take the "
+        "GPU code path (No module named 'vllm')"
+    )
+
+
+@probe
+def cpu_scheduler_malloc_trim():
+    import threading
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    # a stand-in scheduler: the body fails at once, after any `before` hook has run
+    with contextlib.suppress(Exception):
+        Scheduler.run_event_loop(SimpleNamespace(device="cpu"))
+    names = {t.name for t in threading.enumerate()}
+    assert "sglang-dspark-malloc-trim" in names, (
+        "no heap trimmer before the CPU scheduler's event loop: freed per-step tensors stay in "
+        "glibc's heap and the scheduler's RSS grows with every request"
+    )
 
 
 @probe
