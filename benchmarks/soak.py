@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sglang_dspark.server import group_pids
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -39,12 +41,8 @@ def rss_by_process(pgid: int, field: str = "VmRSS") -> dict[str, float]:
     """VmRSS (or another /proc status field in kB, e.g. RssAnon) in MB of every live process
     in the group, keyed 'pid name'."""
     out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in group_pids(pgid):
         try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
             with open(f"/proc/{pid}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
             name = fields["Name"].strip()
@@ -58,12 +56,8 @@ def cpu_by_process(pgid: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by every live process in the group, same keys."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in group_pids(pgid):
         try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
             name = stat[stat.index("(") + 1 : stat.rindex(")")][:15]

@@ -112,16 +112,25 @@ class SGLangServer:
         """Proportional set size of the whole process group, in MB (shared pages split)."""
         if self.proc is None:
             return 0.0
-        pgid = os.getpgid(self.proc.pid)
         total_kb = 0
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
+        for pid in group_pids(os.getpgid(self.proc.pid)):
             try:
-                if os.getpgid(int(pid)) != pgid:
-                    continue
                 with open(f"/proc/{pid}/smaps_rollup") as f:
                     total_kb += sum(int(x.split()[1]) for x in f if x.startswith("Pss:"))
             except (OSError, ProcessLookupError):
                 continue
         return total_kb / 1024
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (a server and every process it started)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                out.append(int(pid))
+        except (OSError, ProcessLookupError):
+            continue
+    return out
