@@ -31,6 +31,10 @@ backend, tensor parallel size, threads, sglang and torch versions, the probes an
 TABLE_VERSION; `<key>.table.json` beside it is the bare table, in SGLang's own format
 (`--speculative-dspark-sps-table-path` reads it).
 
+Under tensor parallelism every rank runs the profile (its forwards have collectives) and
+rank 0's timings and cache read are broadcast (`agree`), so every rank holds the same table;
+only rank 0 writes the cache.
+
 Offline: `sglang-dspark sps profile` starts the embedded server once (which profiles and
 fills the cache) and prints the table; `sglang-dspark sps plot TABLE.json --out sps.png`.
 """
@@ -380,14 +384,20 @@ def bare_table_path(key: SpsKey) -> Path:
     return sps_cache_dir() / f"{key.digest()}.table.json"
 
 
-def table_at_startup(key: SpsKey, profile: Callable[[], SpsTable]) -> tuple[SpsTable, bool, Path]:
-    """The cached table for `key`, else profile and cache it. Returns (table, cached?, path)."""
-    table = load_cached(key)
-    if table is not None:
-        return table, True, cache_path(key)
-    t0 = time.perf_counter()
-    table = profile()
-    return table, False, save_cached(key, table, seconds=time.perf_counter() - t0)
+def agree(value, group=None):
+    """Rank 0's `value` on every rank of the process group `group` (a CPU/gloo group, e.g.
+    SGLang's `tp_group.cpu_group`); `value` itself without a group or on one rank.
+
+    Under tensor parallelism every rank runs the profile's forwards in lockstep (their
+    collectives need all ranks), but each would time its own: the budget code assumes one
+    replicated table, so only rank 0's timings, and rank 0's cache read, count."""
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) <= 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 def describe(table: SpsTable) -> str:

@@ -36,6 +36,7 @@ UPSTREAM_FAILURE = {
     "dspark_sync_scheduler": "budget 8, Algorithm 1 on the current confidences: 1",
     "dspark_sps_startup": "is not the profiled one (flat: scheduling off)",
     "dspark_sts_recorder": "shape '[2, 5]' is invalid",
+    "dspark_verify_trace": "no verify trace written",
     "eagle_cpu_chain_only": "a top-4 tree was accepted on CPU",
     "eagle_torch_native_draft_extend": "EAGLE is not supported in attention backend torch_native",
     "cpu_eagle_tree_ops": "build_tree_kernel_efficient_cpu is unavailable",

@@ -61,19 +61,26 @@ def test_default_server_schedules_with_algorithm_1_and_a_start_up_sps_table(
     assert alpha == sorted(alpha) and alpha[0] > 0  # the draft pass was timed, per request
 
 
-def test_sts_data_collected_from_a_scheduling_server_keeps_the_verify_window(
-    servers, embedded_paths, prompt_ids, tmp_path_factory
-):
-    # Collection records raw logits, so the server runs without a calibration file.
+@pytest.fixture(scope="module")
+def traced(servers, embedded_paths, tmp_path_factory):
+    """A scheduling server that records STS data and its verify trace. Collection records raw
+    logits, so it runs without a calibration file."""
     draft = tmp_path_factory.mktemp("draft-uncalibrated")
     for f in Path(embedded_paths.draft).iterdir():
         if f.name != "sts.json":
             shutil.copy(f, draft / f.name)
-    stem = tmp_path_factory.mktemp("sts") / "collect"
+    out = tmp_path_factory.mktemp("traced")
     server = servers.get(
         embedded_paths, draft=draft, extra=("--decode-log-interval", "1"),
-        env={"SGLANG_DSPARK_STS_COLLECT_PATH": str(stem)},
+        env={"SGLANG_DSPARK_STS_COLLECT_PATH": str(out / "collect"),
+             "SGLANG_DSPARK_VERIFY_TRACE": str(out / "trace")},
     )  # fmt: skip
+    return server, out
+
+
+def test_sts_data_collected_from_a_scheduling_server_keeps_the_verify_window(traced, prompt_ids):
+    server, out_dir = traced
+    stem = out_dir / "collect"
     out = generate_many(server.base_url, prompt_ids, concurrency=8, max_new_tokens=24)
     verify_steps = sum(o["meta_info"]["spec_verify_ct"] for o in out)
     # every finished request is on disk already: the server is still running
@@ -89,3 +96,35 @@ def test_sts_data_collected_from_a_scheduling_server_keeps_the_verify_window(
     assert (n_accepted <= data.verified).all()
     assert not (data.valid & (torch.arange(7)[None, :] >= data.verified[:, None])).any()
     assert _sps_cache_file(log).is_file()
+
+
+def test_server_verifies_algorithm_1s_lengths_on_its_own_confidences(traced, prompt_ids):
+    """`sync` hands SGLang Algorithm 1's lengths: every traced step's layout (what the target
+    really verified) equals schedule_sync on that step's confidences and the server's table."""
+    from sglang.kernels.ops.speculative.dspark.dspark_schedule import schedule_verify_lens_topk
+    from sglang.srt.speculative.dspark_components.dspark_planner import DSparkScheduleConfig
+
+    from sglang_dspark import sps
+    from sglang_dspark.plugin.verify_trace import read_trace
+    from sglang_dspark.scheduler import schedule_sync
+
+    server, out_dir = traced
+    generate_many(server.base_url, prompt_ids, concurrency=8, max_new_tokens=32)
+    table = sps.table_from_json(json.dumps(json.loads(_sps_cache_file(server.log_text()).read_text())["table"]))
+    steps = [r for r in read_trace(str(out_dir / "trace") + ".rank0.jsonl") if r["confidence"]]
+    assert len(steps) >= 20, f"only {len(steps)} traced verify steps"
+    cfg = DSparkScheduleConfig(gamma=7)
+    trimmed = topk_differs = 0
+    for r in steps:
+        c = torch.tensor(r["confidence"], dtype=torch.float64)[:, :7]
+        want = (1 + schedule_sync(c, table)).clamp(1, 8).tolist()
+        assert r["verify_lens"] == want, (r["step"], r["verify_lens"], want)
+        assert r["budget"] == sum(want) - len(want)
+        assert all(a <= v - 1 for a, v in zip(r["accepted"], r["verify_lens"]))
+        trimmed += sum(v < 8 for v in want)
+        upstream = schedule_verify_lens_topk(confidence=c.float(), budget=r["budget"], cfg=cfg)
+        topk_differs += upstream.tolist() != want
+    assert trimmed > 0, "no step trimmed any window: the test would not tell the modes apart"
+    # concurrency reached the scheduler: steps with several requests were scheduled together
+    assert max(r["bs"] for r in steps) >= 4
+    print(f"{len(steps)} steps; upstream's top-K on the same budget differs in {topk_differs}")

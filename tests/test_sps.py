@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,48 +187,114 @@ def test_cache_key_changes_with_every_field():
         assert dataclasses.replace(base, **{field.name: other}).digest() != base.digest(), field
 
 
-def test_startup_table_is_profiled_once_then_read_from_disk(tmp_path, monkeypatch):
+def test_cache_round_trip_and_keying(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
-    profiled = []
-
-    def profile():
-        profiled.append(1)
-        return _additive()
-
     key = _key()
-    t1, cached1, path = sps.table_at_startup(key, profile)
-    t2, cached2, _ = sps.table_at_startup(key, profile)
-    assert (cached1, cached2, len(profiled)) == (False, True, 1)
-    assert t1 == t2
+    assert sps.load_cached(key) is None
+    table = _additive()
+    path = sps.save_cached(key, table, seconds=1.5)
     assert path.parent == tmp_path / "sps"
+    assert sps.load_cached(key) == table
     record = json.loads(path.read_text())
     assert record["key"]["dtype"] == "bfloat16" and record["key"]["version"] == sps.TABLE_VERSION
-    assert record["table"]["bs_probes"] == [1, 2, 4, 8, 16]
-    assert isinstance(t2, SpsAdditiveCostTable)
+    assert record["table"]["bs_probes"] == [1, 2, 4, 8, 16] and record["profile_seconds"] == 1.5
     # The bare table beside it is what --speculative-dspark-sps-table-path takes, read by SGLang.
-    assert load_sps_table_from_path(str(sps.bare_table_path(key))) == t1
+    assert load_sps_table_from_path(str(sps.bare_table_path(key))) == table
     # A floor table (e.g. written by an older plugin under another key) still reads back.
     floor = SpsCostTable(sample_batch_tokens=[1, 8], sample_steps_per_sec=[9.0, 8.0],
                          max_batch_tokens=8)  # fmt: skip
     sps.save_cached(_key(dtype="x"), floor, seconds=0.0)
     assert sps.load_cached(_key(dtype="x")) == floor
     # Another dtype is another table.
-    sps.table_at_startup(_key(dtype="float32"), profile)
-    assert len(profiled) == 2
+    assert sps.load_cached(_key(dtype="float32")) is None
 
 
-def test_corrupt_cache_file_is_profiled_again(tmp_path, monkeypatch):
+def test_corrupt_cache_file_reads_as_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
     key = _key()
     sps.cache_path(key).parent.mkdir(parents=True)
     sps.cache_path(key).write_text("{not json")
-    table, cached, _ = sps.table_at_startup(
-        key,
-        lambda: SpsCostTable(
-            sample_batch_tokens=[1], sample_steps_per_sec=[3.0], max_batch_tokens=1
-        ),
+    assert sps.load_cached(key) is None  # profiled again at start-up
+
+
+# ---------------------------------------------------------------- tensor parallel: one table
+def _tp_worker(rank: int, world: int, init: str, cache_dirs: list, out_dir: str, cached: bool):
+    """One TP rank of the plugin's start-up: cache read, profile, install, cache write."""
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    os.environ["DSPARK_CACHE_DIR"] = cache_dirs[rank]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from sglang.srt.runtime_context import get_context
+
+    from sglang_dspark.plugin import scheduling
+
+    scheduling._tp_cpu_group = lambda: dist.group.WORLD
+    scheduling._tp_rank = lambda: rank
+    # each rank "times" its own forwards: rank r's are r + 1 times slower
+    scale = rank + 1
+    sps.profile_verify = lambda runner, *, verify_num_draft_tokens, max_requests: {
+        m: [scale * _verify_s(m)] * 3 for m in sps.verify_token_probes(max_requests, 8)
+    }
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(model_path=cache_dirs[0], attention_backend="x", tp_size=world),
+        dtype=torch.bfloat16, device="cpu",
+    )  # fmt: skip
+    key = scheduling.sps_key_for(runner, verify_num_draft_tokens=8, max_requests=4)
+    if cached and rank == 0:
+        sps.save_cached(key, _staircase(4), seconds=0.0)
+    planner = SimpleNamespace(_budget_planner=SimpleNamespace(sps_table=None))
+    with get_context().override_server_args(device="cpu", max_running_requests=4):
+        scheduling._planner_ctx["runner"] = runner
+        scheduling._planner_ctx["draft"] = {"draft_model": None, "gamma": 7, "tp_sync": None}
+        first = scheduling._build_sps_table(lambda **kw: None, verify_num_draft_tokens=8)
+        job = scheduling._planner_ctx.pop("pending", None)
+        scheduling._planner_ctx.clear()
+        if job is not None:
+            job["planner"] = planner
+            scheduling._pending.append(job)
+            scheduling._profile_after_graphs(None, runner)
+    table = planner._budget_planner.sps_table if job is not None else first
+    result = {"profiled": job is not None, "table": json.loads(table.to_json()),
+              "wrote": sps.cache_path(key).is_file()}  # fmt: skip
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _run_tp(tmp_path, *, cached: bool) -> list[dict]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dirs = [str(tmp_path / f"cache{r}") for r in range(2)]
+    mp.spawn(_tp_worker, args=(2, f"tcp://127.0.0.1:{port}", dirs, str(tmp_path), cached),
+             nprocs=2, join=True)  # fmt: skip
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+
+
+def test_tp_ranks_profile_together_and_install_rank_0s_table(tmp_path):
+    r0, r1 = _run_tp(tmp_path, cached=False)
+    assert r0["profiled"] and r1["profiled"]  # both ran the forwards (lockstep collectives)
+    assert r0["table"] == r1["table"]  # but one table: rank 0's timings
+    theta0 = r0["table"]["theta_seconds"]
+    own = sps.additive_table_from_timings(
+        {m: [_verify_s(m)] * 3 for m in sps.verify_token_probes(4, 8)}
     )
-    assert not cached and table.sample_steps_per_sec == [3.0]
+    assert theta0 == pytest.approx(own.theta_seconds)  # scale 1: rank 0's, not rank 1's (x2)
+    assert (r0["wrote"], r1["wrote"]) == (True, False)  # only rank 0 writes the cache
+
+
+def test_tp_ranks_take_rank_0s_cached_table_even_when_theirs_is_missing(tmp_path):
+    r0, r1 = _run_tp(tmp_path, cached=True)
+    # rank 1 has no cache file; had it profiled while rank 0 read its table, the profile's
+    # collectives would have waited forever
+    assert not r0["profiled"] and not r1["profiled"]
+    assert r0["table"] == r1["table"] == json.loads(_staircase(4).to_json())
 
 
 @pytest.mark.parametrize("kind", ["additive", "floor"])

@@ -385,6 +385,7 @@ def generate_dataset(
     bar = tqdm(
         total=len(todo),
         unit="seq",
+        smoothing=0,  # batches arrive in bursts: the run's mean rate, not the last burst's
         disable=not progress,
         dynamic_ncols=True,
         desc=f"generate ({backend.name})",

@@ -48,6 +48,7 @@ def _hooks():
         draft_validation,
         scheduling,
         sts_collect,
+        verify_trace,
     )
 
     return {
@@ -62,6 +63,7 @@ def _hooks():
         **draft_validation.HOOKS,
         **scheduling.HOOKS,
         **sts_collect.HOOKS,
+        **verify_trace.HOOKS,
     }
 
 

@@ -95,6 +95,9 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
     ".compute_budget": (
         "(self, *, confidence, generation, current_generation, req_pool_indices_cpu)"
     ),
+    "sglang.kernels.ops.speculative.dspark.dspark_schedule.ScheduleVerifyLensTopk.execute": (
+        "(cls, *args, **kwargs)"
+    ),
     # dspark_sps_startup
     "sglang.srt.speculative.dspark_components.dspark_planner.DSparkVerifyPlanner.__init__": (
         "(self, *, draft_model, gamma, model_runner, device, tp_rank, verify_num_draft_tokens, "

@@ -6,9 +6,10 @@
 - `async`:  upstream's asynchronous planner (`compact` verify; capacity K from the
   confidences of two steps earlier, top-K of the current survivals).
 - `sync`:   Algorithm 1 with its early stop on the CURRENT step's confidences
-  (`sglang_dspark.scheduler.schedule_sync`), fed to upstream's top-K kernel as the budget
-  (the top-K of the current survivals with K = Algorithm 1's total are its lengths). The
-  overlap scheduler is turned off, so the confidences the budget reads are this step's.
+  (`sglang_dspark.scheduler.schedule_sync`). SGLang is handed its per-request lengths
+  themselves, not a budget for its own top-K kernel to re-derive lengths from (that kernel
+  works in float32 with its own `survival_eps` and tie order). The overlap scheduler is
+  turned off, so the confidences read are this step's.
 
 Unset, a DSPARK launch gets `sync` (`DEFAULT_MODE`), unless `SGLANG_RAGGED_VERIFY_MODE` is
 set: then SGLang behaves as upstream in that mode. Hooks:
@@ -17,11 +18,20 @@ set: then SGLang behaves as upstream in that mode. Hooks:
   explicit value, and turns off the overlap scheduler for `sync`. The default is set while the
   launcher resolves a DSPARK launch's arguments (only DSPARK reads it), so every process that
   SGLang starts afterwards inherits it.
-- `dspark_sync_scheduler`: the budget of `sync` (HostConfidenceBudgetPlanner.compute_budget).
+- `dspark_sync_scheduler`: `sync`'s lengths. `HostConfidenceBudgetPlanner.compute_budget`
+  runs Algorithm 1 and keeps its lengths beside the budget it returns; the planner's top-K
+  (`ScheduleVerifyLensTopk.execute`) then returns exactly those lengths (as `1 + l`, clamped to
+  the configured verify range) when it is asked for that same budget on the same number of
+  requests. Upstream's tensor-parallel sync of the lengths, its budget invariant and its debug
+  log run on them unchanged. A different budget (`--speculative-dspark-align-verify-tokens-
+  to-graph-tier` raises it to fill a CUDA-graph tier) is left to upstream's top-K, which then
+  fills the tier from the same survival order.
 - `dspark_sps_startup`: with a scheduling mode and no `--speculative-dspark-sps-table-path`,
   the round's cost (SGLang's additive table: the target's own verify forward by batch tokens,
   the DSpark draft pass by requests) is profiled at start-up and cached on disk
-  (sglang_dspark.sps); `SGLANG_DSPARK_SPS_PROFILE=0` keeps upstream's flat table.
+  (sglang_dspark.sps); `SGLANG_DSPARK_SPS_PROFILE=0` keeps upstream's flat table. Under
+  tensor parallelism every rank runs the profile's forwards, rank 0's cache read and timings
+  are broadcast over the TP CPU group, so every rank schedules with one table.
 """
 
 from __future__ import annotations
@@ -117,6 +127,7 @@ _warned_overlap = False
 def _compute_budget_sync(
     original, planner, *, confidence, generation, current_generation, req_pool_indices_cpu
 ):
+    _sync_lengths.update(budget=None, lengths=None)
     if scheduler_mode() != "sync" or planner.forced_budget_frac is not None:
         return original(
             planner,
@@ -150,7 +161,39 @@ def _compute_budget_sync(
     budget = int(lengths.sum())
     theta = expected_throughput(c, lengths, planner.sps_table)
     planner.last_decision = VerifyBudgetDecision(budget=budget, predicted_theta=theta)
+    # under overlap these confidences are relayed ones: the lengths are not this step's
+    _sync_lengths.update(budget=None if overlap else budget, lengths=lengths)
     return budget
+
+
+# Algorithm 1's lengths of the budget just computed, for the top-K call that follows it in the
+# same step (one scheduler process, one step at a time).
+_sync_lengths: dict = {"budget": None, "lengths": None}
+
+
+def sync_verify_lens(lengths, cfg):
+    """SGLang's verify_lens (anchor included) for Algorithm 1's draft counts `lengths`."""
+    import torch
+
+    lower = max(int(cfg.min_verify_len), 1)
+    return torch.clamp(1 + lengths.to(torch.int64), min=lower, max=cfg.resolved_max_verify_len())
+
+
+def _topk_with_sync_lengths(original, cls, *args, **kwargs):
+    budget, lengths = _sync_lengths["budget"], _sync_lengths["lengths"]
+    _sync_lengths.update(budget=None, lengths=None)  # one use: never a later step's
+    confidence = kwargs.get("confidence")
+    if (
+        budget is not None
+        and not args
+        and kwargs.get("budget") == budget
+        and confidence is not None
+        and int(confidence.shape[0]) == int(lengths.shape[0])
+    ):
+        import torch
+
+        return sync_verify_lens(lengths, kwargs["cfg"]).to(torch.int32)
+    return original(cls, *args, **kwargs)
 
 
 def install_sync_budget() -> None:
@@ -158,6 +201,10 @@ def install_sync_budget() -> None:
         "sglang.srt.speculative.dspark_components.dspark_planner."
         "HostConfidenceBudgetPlanner.compute_budget",
         _compute_budget_sync,
+    )
+    register_around(
+        "sglang.kernels.ops.speculative.dspark.dspark_schedule.ScheduleVerifyLensTopk.execute",
+        _topk_with_sync_lengths,
     )
 
 
@@ -222,6 +269,28 @@ def _device_name(device) -> str:
     return f"{dev.type}:{platform.processor() or platform.machine()}:{os.cpu_count()}cpu"
 
 
+def _tp_cpu_group():
+    """SGLang's tensor-parallel CPU group, or None with one rank (or outside a server)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        if int(par.tp_size or 1) <= 1:
+            return None
+        return par.tp_group.cpu_group
+    except (AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def _tp_rank() -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank or 0)
+    except (AttributeError, ValueError, RuntimeError):
+        return 0
+
+
 def _build_sps_table(original, *, verify_num_draft_tokens):
     from sglang.srt.runtime_context import get_schedule, get_spec
     from sglang.srt.speculative.dspark_components.dspark_sps import SpsCostTable
@@ -239,13 +308,17 @@ def _build_sps_table(original, *, verify_num_draft_tokens):
     key = sps_key_for(
         runner, verify_num_draft_tokens=verify_num_draft_tokens, max_requests=max_requests
     )
-    table = sps.load_cached(key)
+    group = _tp_cpu_group()
+    # rank 0 reads the cache and every rank takes its answer: a rank that profiled while
+    # another read a table would wait forever in the profile's collectives
+    table = sps.agree(sps.load_cached(key) if _tp_rank() == 0 else None, group)
     if table is not None:
         logger.info("DSpark SPS table read from %s: %s", sps.cache_path(key), sps.describe(table))
         return table
     _planner_ctx["pending"] = {
         "runner": runner,
         "key": key,
+        "group": group,
         "max_requests": max_requests,
         "verify_num_draft_tokens": verify_num_draft_tokens,
         **_planner_ctx.get("draft", {}),
@@ -268,11 +341,12 @@ def _profile_after_graphs(result, model_runner, *args, **kwargs):
         return
     for job in [j for j in _pending if j["runner"] is model_runner and "verify" not in j]:
         t0 = time.perf_counter()
-        job["verify"] = sps.profile_verify(
+        timings = sps.profile_verify(
             model_runner,
             verify_num_draft_tokens=job["verify_num_draft_tokens"],
             max_requests=job["max_requests"],
         )
+        job["verify"] = sps.agree(timings, job.get("group"))  # rank 0's, on every rank
         job["seconds"] = time.perf_counter() - t0
         _install(job, sps.additive_table_from_timings(job["verify"]))
         if job.get("draft_model") is None:  # nothing to time the draft pass with
@@ -299,9 +373,13 @@ def _finish_with_draft(job: dict, draft_runner) -> None:
             )
         except Exception as e:  # noqa: BLE001 - a drafter we cannot time must not stop serving
             logger.warning("DSpark SPS: the draft pass could not be timed (%r); alpha = 0", e)
+    draft = sps.agree(draft, job.get("group"))
     table = sps.additive_table_from_timings(job["verify"], draft)
     seconds = job["seconds"] + time.perf_counter() - t0
-    path = sps.save_cached(job["key"], table, seconds=seconds)
+    if _tp_rank() == 0:
+        path = sps.save_cached(job["key"], table, seconds=seconds)
+    else:
+        path = sps.cache_path(job["key"])  # rank 0 writes it
     _install(job, table)
     logger.info(
         "DSpark SPS table profiled at start-up in %.1f s, cached at %s: %s",

@@ -312,6 +312,7 @@ def _sps_table(xs, ys):
 
 @probe
 def dspark_sync_scheduler():
+    from sglang.kernels.ops.speculative.dspark.dspark_schedule import ScheduleVerifyLensTopk
     from sglang.srt.speculative.dspark_components.dspark_planner import (
         DSparkScheduleConfig,
         HostConfidenceBudgetPlanner,
@@ -319,25 +320,40 @@ def dspark_sync_scheduler():
 
     from sglang_dspark.scheduler import schedule_sync
 
-    # SPS falls off a cliff at 4 tokens, then recovers: the unconstrained argmax jumps the
-    # cliff, Algorithm 1 stops before it. Current confidences, no lag.
+    # 1. The budget. SPS falls off a cliff at 4 tokens, then recovers: the unconstrained
+    # argmax jumps the cliff, Algorithm 1 stops before it. Current confidences, no lag.
     table = _sps_table([1, 2, 3, 4, 6], [10.0, 10.0, 9.5, 4.0, 4.0])
     c = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9]])
+    cfg = DSparkScheduleConfig(gamma=4)
     runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 8)))
-    planner = HostConfidenceBudgetPlanner(
-        sps_table=table, cfg=DSparkScheduleConfig(gamma=4), model_runner=runner, relay_lag_steps=0
-    )
+
+    def budget_of(c, table):
+        planner = HostConfidenceBudgetPlanner(
+            sps_table=table, cfg=cfg, model_runner=runner, relay_lag_steps=0
+        )
+        return planner.compute_budget(
+            confidence=c, generation=torch.ones(len(c), dtype=torch.int64),
+            current_generation=torch.ones(len(c), dtype=torch.int64),
+            req_pool_indices_cpu=torch.arange(len(c)),
+        )  # fmt: skip
+
     os.environ["SGLANG_DSPARK_SCHEDULER"] = "sync"
     try:
-        budget = planner.compute_budget(
-            confidence=c, generation=torch.ones(2, dtype=torch.int64),
-            current_generation=torch.ones(2, dtype=torch.int64),
-            req_pool_indices_cpu=torch.tensor([0, 1]),
-        )  # fmt: skip
+        budget = budget_of(c, table)
+        want = int(schedule_sync(c, table).sum())
+        assert budget == want, f"budget {budget}, Algorithm 1 on the current confidences: {want}"
+        # 2. The lengths. Flat SPS: Algorithm 1 verifies every draft that can survive at all,
+        # including request 0's drafts 3-4 (survival 8e-8, below SGLang's survival_eps 1e-6).
+        c = torch.tensor([[0.9, 0.9, 1e-7, 0.5], [0.9, 0.9, 0.9, 0.9]])
+        flat = _sps_table([1, 16], [10.0, 10.0])
+        budget = budget_of(c, flat)
+        lens = ScheduleVerifyLensTopk.execute(confidence=c, budget=budget, cfg=cfg)
     finally:
         os.environ.pop("SGLANG_DSPARK_SCHEDULER", None)
-    want = int(schedule_sync(c, table).sum())
-    assert budget == want, f"budget {budget}, Algorithm 1 on the current confidences: {want}"
+    want = (1 + schedule_sync(c, flat)).tolist()
+    assert lens.tolist() == want, (
+        f"verify_lens {lens.tolist()} from SGLang's top-K, Algorithm 1's: {want}"
+    )
 
 
 @probe
@@ -406,6 +422,47 @@ def dspark_sts_recorder():
     shard = torch.load(shards[0], weights_only=True)
     assert shard["prefix_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]], shard["prefix_mask"]
     assert shard["verified"].tolist() == [2, 4]
+
+
+@probe
+def dspark_verify_trace():
+    import tempfile
+
+    from sglang.srt.speculative.dspark_components.dspark_observability import (
+        DsparkStepObservers,
+    )
+
+    stem = os.path.join(tempfile.mkdtemp(), "trace")
+    bs, gamma = 2, 4
+    observers = SimpleNamespace(
+        _sts_collect_path="", _sts_recorder=None, _gamma=gamma,
+        _verify_num_draft_tokens=gamma + 1, _block_accept_recorder=None,
+        _planner=SimpleNamespace(carries_confidence=True, is_compact_mode=True),
+        _confidence_probe=SimpleNamespace(maybe_observe=lambda **kw: None),
+        _info_dumper=SimpleNamespace(enabled=False),
+        _maybe_record_sts_collect=lambda **kw: None,
+    )  # fmt: skip
+    confidence = torch.tensor([[0.9, 0.8, 0.1, 0.1], [0.7, 0.6, 0.5, 0.4]])
+    os.environ["SGLANG_DSPARK_VERIFY_TRACE"] = stem
+    try:
+        DsparkStepObservers.observe_verify_step(
+            observers, forward_ct=7, reqs=[], bs=bs, proposal_folded=True,
+            verify_ids_2d=torch.zeros(bs, gamma + 1, dtype=torch.int64),
+            target_logits=torch.zeros(8, 16),
+            layout=SimpleNamespace(verify_lens=torch.tensor([3, 5])), confidence=confidence,
+            confidence_raw=None, prefix_lens=None, draft_tokens=None,
+            draft_block=None, sampling_info=None, correct_len=torch.tensor([2, 1]),
+            cap_trim_lens=None, bonus=None, commit_lens=None, verify_token_budget=6,
+            req_pool_indices=None, verify_tier_num_tokens=8, dp_tier_num_tokens=None,
+        )  # fmt: skip
+    finally:
+        os.environ.pop("SGLANG_DSPARK_VERIFY_TRACE", None)
+    path = stem + ".rank0.jsonl"
+    assert os.path.isfile(path), "no verify trace written"
+    (record,) = [json.loads(line) for line in open(path)]
+    assert record["verify_lens"] == [3, 5] and record["accepted"] == [2, 1], record
+    assert torch.tensor(record["confidence"]).float().equal(confidence), record["confidence"]
+    assert (record["step"], record["budget"], record["tier_tokens"]) == (7, 6, 8), record
 
 
 # ------------------------------------------------------------------ MTP-1 (EAGLE worker) on CPU
