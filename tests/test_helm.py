@@ -407,6 +407,41 @@ def test_enabled_calibration_without_content_is_an_error(helm, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "given, enabled, on",
+    [
+        ("content", None, True),  # the default: on as soon as a file is given
+        ("configmap", None, True),
+        (None, None, False),
+        ("content", False, False),  # explicitly off: the file is ignored
+    ],
+)
+@pytest.mark.parametrize("name, flag", [("sts", "--speculative-dspark-confidence-sts-path"),
+                                        ("sps", "--speculative-dspark-sps-table-path")])
+def test_calibration_is_on_whenever_its_file_is_given(tmp_path, name, flag, given, enabled, on):
+    cfg: dict = {"enabled": enabled}
+    if given == "content":
+        cfg["content"] = {"version": 1}
+    elif given == "configmap":
+        cfg["existingConfigMap"] = f"{name}-h200"
+    for profile in ("qwen3-8b-dspark", "deepseek-v4-flash-dspark"):
+        docs = render_overlay(tmp_path, {"calibration": {name: cfg}}, PROFILES[profile])
+        args = parse_args(container(server_pod(docs), "sglang")["args"])
+        assert (flag in args) == on, (profile, cfg)
+        volumes = {v["name"] for v in server_pod(docs)["spec"]["volumes"]}
+        assert (f"calibration-{name}" in volumes) == on
+
+
+@pytest.mark.parametrize(
+    "profile, mode",
+    [("qwen3-8b-dspark", "async"), ("deepseek-v4-flash-dspark", "async"), ("cpu-smollm2", "sync")],
+)
+def test_gpu_profiles_keep_overlap_scheduling_and_the_cpu_profile_runs_algorithm_1(profile, mode):
+    env = env_of(container(server_pod(render(PROFILES[profile])), "sglang"))
+    assert env["SGLANG_DSPARK_SCHEDULER"]["value"] == mode
+    assert profile_values(profile)["speculative"]["dspark"]["scheduler"] == mode
+
+
+@pytest.mark.parametrize(
     "profile, gpus",
     [("qwen3-8b-dspark", 1), ("qwen3-8b-mtp1-baseline", 1), ("deepseek-v4-flash-dspark", 8)],
 )

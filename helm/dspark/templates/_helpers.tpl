@@ -129,7 +129,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/* Whether the chart must create the calibration ConfigMap. */}}
 {{- define "dspark.ownsCalibration" -}}
 {{- $c := .Values.calibration }}
-{{- if or (and $c.sts.enabled (not $c.sts.existingConfigMap)) (and $c.sps.enabled (not $c.sps.existingConfigMap)) }}true{{ end }}
+{{- if or (and (include "dspark.calibrationOn" $c.sts) (not $c.sts.existingConfigMap)) (and (include "dspark.calibrationOn" $c.sps) (not $c.sps.existingConfigMap)) }}true{{ end }}
 {{- end }}
 
 {{/* Calibration file content as JSON text. Usage: include "dspark.calibrationJSON" (dict "name" "sts" "cfg" .Values.calibration.sts) */}}
@@ -218,4 +218,13 @@ privileged: false
 readOnlyRootFilesystem: true
 capabilities:
   drop: ["ALL"]
+{{- end }}
+
+{{/* "true" when a calibration file (calibration.sts or .sps) is used: `enabled` true, or
+`enabled` null (the default) and a file given as content or existingConfigMap. Usage:
+include "dspark.calibrationOn" .Values.calibration.sts */}}
+{{- define "dspark.calibrationOn" -}}
+{{- if kindIs "invalid" .enabled }}
+{{- if or (not (empty .content)) (not (empty .existingConfigMap)) }}true{{ end }}
+{{- else if .enabled }}true{{ end }}
 {{- end }}
