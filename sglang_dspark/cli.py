@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
          "offline evaluator: tau, position-wise acceptance, threshold sweep"),
         ("audit", "sglang_dspark.audit", "add_arguments", "run",
          "check that a running DSPARK server is lossless (exit code 0 / 1)"),
-        ("calibrate", "sglang_dspark.calibration", "add_arguments", "run",
+        ("calibrate", "sglang_dspark.calibration.cli", "add_arguments", "run",
          "fit STS temperatures (SGLang DSparkStsCalibration JSON)"),
         ("data", "sglang_dspark.data.cli", "add_arguments", "run",
          "build training prompts and target-regenerated responses"),

@@ -16,18 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_dspark.drafter.target import make_tiny_target
-from sglang_dspark.drafter.train import (
+from sglang_dspark.drafter.data import (
     TokenSequence,
-    TrainConfig,
-    Trainer,
     anchor_candidates,
     block_targets,
     load_sequences,
-    main,
     sample_anchor_split,
     sample_anchors,
 )
+from sglang_dspark.drafter.target import make_tiny_target
+from sglang_dspark.drafter.train import TrainConfig, Trainer, main
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]

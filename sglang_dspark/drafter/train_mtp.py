@@ -30,10 +30,11 @@ import torch.distributed as dist
 
 from .checkpoint import load_mtp_draft, save_mtp_draft
 from .config import DraftConfigError
+from .data import TokenSequence, _stable_seed, anchor_candidates
 from .loss import LossSums, loss_sums
 from .mtp import MtpDraftConfig, MtpDrafter
 from .target import TargetFeatures
-from .train import TokenSequence, Trainer, _stable_seed, anchor_candidates
+from .train import Trainer
 
 MtpPlan = list[tuple[TokenSequence, torch.Tensor]]  # (sequence, sorted supervised positions i)
 

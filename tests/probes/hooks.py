@@ -459,7 +459,8 @@ def dspark_verify_trace():
         os.environ.pop("SGLANG_DSPARK_VERIFY_TRACE", None)
     path = stem + ".rank0.jsonl"
     assert os.path.isfile(path), "no verify trace written"
-    (record,) = [json.loads(line) for line in open(path)]
+    with open(path) as f:
+        (record,) = [json.loads(line) for line in f]
     assert record["verify_lens"] == [3, 5] and record["accepted"] == [2, 1], record
     assert torch.tensor(record["confidence"]).float().equal(confidence), record["confidence"]
     assert (record["step"], record["budget"], record["tier_tokens"]) == (7, 6, 8), record
