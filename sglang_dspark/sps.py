@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -347,6 +348,42 @@ def profile_draft(
         restore()
 
 
+def cpu_share(cpu_seconds: float, wall_seconds: float, device) -> dict | None:
+    """How much of the machine the profile got: this process's CPU seconds per wall second,
+    against the threads torch may use. None off the CPU (there the host mostly waits)."""
+    import os
+
+    import torch
+
+    if torch.device(device).type != "cpu" or wall_seconds <= 0:
+        return None
+    threads = max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+    return {"cores_used": round(cpu_seconds / wall_seconds, 3), "threads": threads,
+            "load_avg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
+
+
+# The plugin's start-up log line naming the table's file (profiled, contended, or read).
+STARTUP_LINE = re.compile(
+    r"DSpark SPS table (?:profiled at start-up in [0-9.]+ s, (?:cached at|not cached "
+    r"\(contended\), written to)|read from) (\S+):"
+)
+
+# below this share of its threads the profile was fighting other processes for the cores
+MIN_CPU_SHARE = 0.6
+
+
+def busy_reason(share: dict | None) -> str | None:
+    """Why a CPU profile's timings cannot be trusted (another process held the cores), or None."""
+    if not share:
+        return None
+    if share["cores_used"] < MIN_CPU_SHARE * share["threads"]:
+        return (
+            f"the profile got {share['cores_used']:.2f} of its {share['threads']} threads' cores "
+            f"(1-minute load average {share['load_avg_1m']})"
+        )
+    return None
+
+
 def table_from_json(data: str) -> SpsTable:
     """Either SGLang table from its JSON, told apart as SGLang's loader does."""
     if '"bias_seconds"' in data:
@@ -366,18 +403,27 @@ def load_cached(key: SpsKey) -> SpsTable | None:
         return None
 
 
-def save_cached(key: SpsKey, table: SpsTable, *, seconds: float) -> Path:
-    """Write `<key>.json` ({"key", "table", "profile_seconds"}) and `<key>.table.json` (the bare
-    table, what `--speculative-dspark-sps-table-path` takes), atomically."""
-    path = cache_path(key)
+def save_cached(key: SpsKey, table: SpsTable, *, seconds: float, busy: bool = False,
+                cpu: dict | None = None) -> Path:
+    """Write `<key>.json` ({"key", "table", "profile_seconds", "cpu"}) and `<key>.table.json`
+    (the bare table, what `--speculative-dspark-sps-table-path` takes), atomically. `busy`: a
+    profile taken on a contended machine goes to `<key>.busy.json` only, which is never read
+    back (kept to look at)."""
+    path = busy_path(key) if busy else cache_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     table_json = json.loads(table.to_json())
-    record = {"key": asdict(key), "table": table_json, "profile_seconds": round(seconds, 3)}
-    for target, payload in ((path, record), (bare_table_path(key), table_json)):
+    record = {"key": asdict(key), "table": table_json, "profile_seconds": round(seconds, 3),
+              "cpu": cpu}  # fmt: skip
+    targets = [(path, record)] if busy else [(path, record), (bare_table_path(key), table_json)]
+    for target, payload in targets:
         tmp = target.with_name(f".{target.name}.tmp")
         tmp.write_text(json.dumps(payload, indent=1))
         tmp.replace(target)
     return path
+
+
+def busy_path(key: SpsKey) -> Path:
+    return sps_cache_dir() / f"{key.digest()}.busy.json"
 
 
 def bare_table_path(key: SpsKey) -> Path:
@@ -500,7 +546,6 @@ def run(args) -> int:
 
 
 def _profile_with_embedded_server(args) -> int:
-    import re
     import shutil
     import tempfile
 
@@ -516,16 +561,15 @@ def _profile_with_embedded_server(args) -> int:
     cmd = embedded.launch_command(paths, port=port, dtype=args.dtype)
     with SGLangServer(cmd, embedded.launch_env(scheduler="sync"), port, log) as server:
         text = server.log_text()
-    found = re.findall(
-        r"DSpark SPS table (?:profiled at start-up in [0-9.]+ s, cached at|"
-        r"read from) (\S+):",
-        text,
-    )
+    found = STARTUP_LINE.findall(text)
     if not found:
         raise RuntimeError(f"the server did not report an SPS table; see {log}")
     record = json.loads(Path(found[-1]).read_text())
     table = table_from_json(json.dumps(record["table"]))
     print(f"SPS table {found[-1]} ({record.get('profile_seconds', '?')} s to profile)")
+    busy = busy_reason(record.get("cpu"))
+    if busy:
+        print(f"NOT CACHED: {busy}; the timings are inflated. Run again on a quiet machine.")
     print(describe(table))
     if isinstance(table, SpsAdditiveCostTable):
         top = table.m_probes[-1]
@@ -534,6 +578,8 @@ def _profile_with_embedded_server(args) -> int:
             for b in sorted({r, 2 * r, top * r // table.bs_probes[-1]}):
                 t = step_seconds(table, num_reqs=r, batch_tokens=b)
                 print(f"{r:>4} {b:>5} {1e3 * t:>8.1f} {b / t:>12.1f}")
+    if busy:
+        return 1
     if args.out:
         shutil.copy(Path(found[-1]).with_name(Path(found[-1]).stem + ".table.json"), args.out)
         print(f"wrote {args.out} (--speculative-dspark-sps-table-path)")

@@ -69,3 +69,52 @@ def test_one_trimmer_per_process():
     finally:
         first.stop.set()
         first.join(5)
+
+
+# 200 x 1 MiB blocks freed but the last: from the heap they stay resident (the last pins the
+# top); each its own mmap under a fixed 512 KiB threshold, they go back to the system at free().
+MMAP = textwrap.dedent(
+    """
+    import ctypes, sys
+    sys.path.insert(0, sys.argv[1])
+    from sglang_dspark.plugin import cpu_memory
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 << 20)  # what glibc's dynamic threshold reaches after large frees
+    if sys.argv[2] == "fixed":
+        assert cpu_memory.set_mmap_threshold(512 << 10)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+    blocks = [libc.malloc(1 << 20) for _ in range(200)]
+    for b in blocks:
+        ctypes.memset(b, 1, 1 << 20)
+    before = rss()
+    for b in blocks[:-1]:
+        libc.free(b)
+    print(before, rss())
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "heap"])
+def test_a_fixed_mmap_threshold_returns_large_blocks_at_free(mode, tmp_path):
+    from pathlib import Path
+
+    repo = str(Path(cpu_memory.__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", MMAP, repo, mode], capture_output=True,
+                         text=True, check=True, timeout=120).stdout.split()  # fmt: skip
+    before, after = int(out[0]), int(out[1])
+    assert before >= 200
+    if mode == "fixed":
+        assert after < before - 150, (before, after)
+    else:
+        assert after > before - 20, (before, after)
+
+
+def test_mmap_threshold_from_the_environment():
+    assert cpu_memory.mmap_threshold({}) is None
+    assert cpu_memory.mmap_threshold({cpu_memory.MMAP_THRESHOLD_ENV: "1048576"}) == 1 << 20
+    for bad in ("0", "-5", "lots", str(64 << 20)):
+        with pytest.raises(ValueError, match=cpu_memory.MMAP_THRESHOLD_ENV):
+            cpu_memory.mmap_threshold({cpu_memory.MMAP_THRESHOLD_ENV: bad})

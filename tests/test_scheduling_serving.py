@@ -18,12 +18,13 @@ import sglang
 import torch
 from conftest import eval_prompts
 
+from sglang_dspark import sps
 from sglang_dspark.calibration import load_data
 from sglang_dspark.client import chat_prompt_ids, generate_many
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-SPS_LINE = re.compile(r"DSpark SPS table (?:profiled at start-up in [0-9.]+ s, cached at|read from) (\S+):")
+SPS_LINE = sps.STARTUP_LINE
 CAP_LEN = re.compile(r"cap len: ([0-9.]+)")
 
 
@@ -104,7 +105,6 @@ def test_server_verifies_algorithm_1s_lengths_on_its_own_confidences(traced, pro
     from sglang.kernels.ops.speculative.dspark.dspark_schedule import schedule_verify_lens_topk
     from sglang.srt.speculative.dspark_components.dspark_planner import DSparkScheduleConfig
 
-    from sglang_dspark import sps
     from sglang_dspark.plugin.verify_trace import read_trace
     from sglang_dspark.scheduler import schedule_sync
 

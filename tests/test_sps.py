@@ -240,7 +240,7 @@ def _tp_worker(rank: int, world: int, init: str, cache_dirs: list, out_dir: str,
     }
     runner = SimpleNamespace(
         server_args=SimpleNamespace(model_path=cache_dirs[0], attention_backend="x", tp_size=world),
-        dtype=torch.bfloat16, device="cpu",
+        dtype=torch.bfloat16, device="meta",  # not "cpu": the instant fake profile is not contended
     )  # fmt: skip
     key = scheduling.sps_key_for(runner, verify_num_draft_tokens=8, max_requests=4)
     if cached and rank == 0:
@@ -327,3 +327,32 @@ def test_bad_or_conflicting_scheduler_mode_is_refused_with_the_fix():
         apply_mode_env({"SGLANG_DSPARK_SCHEDULER": "fast"})
     with pytest.raises(SchedulerConfigError, match="unset SGLANG_RAGGED_VERIFY_MODE"):
         apply_mode_env({"SGLANG_DSPARK_SCHEDULER": "sync", "SGLANG_RAGGED_VERIFY_MODE": "static"})
+
+
+def test_a_contended_cpu_profile_is_flagged_and_never_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    quiet = sps.cpu_share(0.95 * threads * 10.0, 10.0, "cpu")
+    busy = sps.cpu_share(0.4 * threads * 10.0, 10.0, "cpu")
+    assert sps.busy_reason(quiet) is None
+    reason = sps.busy_reason(busy)
+    assert reason and f"of its {min(threads, __import__('os').cpu_count())} threads" in reason
+    assert sps.cpu_share(1.0, 10.0, "cuda") is None  # off the CPU the host mostly waits
+    key = _key()
+    path = sps.save_cached(key, _additive(), seconds=30.0, busy=True, cpu=busy)
+    assert path == sps.busy_path(key) and path.is_file()
+    assert sps.load_cached(key) is None  # profiled again at the next start
+    assert not sps.bare_table_path(key).exists()
+    sps.save_cached(key, _additive(), seconds=6.0, cpu=quiet)
+    assert sps.load_cached(key) == _additive()
+    assert json.loads(sps.cache_path(key).read_text())["cpu"] == quiet
+
+
+def test_the_start_up_log_line_names_the_table_file_in_every_case():
+    for line, want in [
+        ("DSpark SPS table profiled at start-up in 6.6 s, cached at /c/a.json: bias=1", "/c/a.json"),
+        ("DSpark SPS table profiled at start-up in 26.4 s, not cached (contended), written to "
+         "/c/a.busy.json: bias=1", "/c/a.busy.json"),
+        ("DSpark SPS table read from /c/a.json: bias=1", "/c/a.json"),
+    ]:  # fmt: skip
+        assert sps.STARTUP_LINE.findall(line) == [want]

@@ -340,7 +340,7 @@ def _profile_after_graphs(result, model_runner, *args, **kwargs):
             _finish_with_draft(jobs[0], model_runner)
         return
     for job in [j for j in _pending if j["runner"] is model_runner and "verify" not in j]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         timings = sps.profile_verify(
             model_runner,
             verify_num_draft_tokens=job["verify_num_draft_tokens"],
@@ -348,6 +348,10 @@ def _profile_after_graphs(result, model_runner, *args, **kwargs):
         )
         job["verify"] = sps.agree(timings, job.get("group"))  # rank 0's, on every rank
         job["seconds"] = time.perf_counter() - t0
+        job["cpu_share"] = sps.agree(
+            sps.cpu_share(time.process_time() - cpu0, job["seconds"], model_runner.device),
+            job.get("group"),
+        )
         _install(job, sps.additive_table_from_timings(job["verify"]))
         if job.get("draft_model") is None:  # nothing to time the draft pass with
             _finish_with_draft(job, None)
@@ -376,14 +380,26 @@ def _finish_with_draft(job: dict, draft_runner) -> None:
     draft = sps.agree(draft, job.get("group"))
     table = sps.additive_table_from_timings(job["verify"], draft)
     seconds = job["seconds"] + time.perf_counter() - t0
-    if _tp_rank() == 0:
-        path = sps.save_cached(job["key"], table, seconds=seconds)
+    busy = sps.busy_reason(job.get("cpu_share"))
+    if busy:  # used for this run, never cached: a contended profile must not outlive it
+        path = sps.save_cached(
+            job["key"], table, seconds=seconds, busy=True, cpu=job.get("cpu_share")
+        )
+        logger.warning(
+            "DSpark SPS: %s, so the timings are inflated and the scheduler will under-verify; "
+            "the table is used for this run only and not cached. Restart on a quiet machine to "
+            "profile again (or pass --speculative-dspark-sps-table-path).",
+            busy,
+        )
+    elif _tp_rank() == 0:
+        path = sps.save_cached(job["key"], table, seconds=seconds, cpu=job.get("cpu_share"))
     else:
         path = sps.cache_path(job["key"])  # rank 0 writes it
     _install(job, table)
     logger.info(
-        "DSpark SPS table profiled at start-up in %.1f s, cached at %s: %s",
+        "DSpark SPS table profiled at start-up in %.1f s, %s %s: %s",
         seconds,
+        "not cached (contended), written to" if busy else "cached at",
         path,
         sps.describe(table),
     )

@@ -4,7 +4,7 @@
 `stem.rank<R>.jsonl`, per verify step: the confidences the scheduler read (calibrated, the
 tensor `schedule_layout` was given), the verify lengths of the layout the target really ran
 (anchor included; `null` when the step ran SGLang's static layout: every draft), the drafts
-accepted, the budget, and the graph tier. It is the ground truth behind two things:
+accepted, the budget, the graph tier, and the wall-clock time the step ended. It is the ground truth behind two things:
 
 - the verify-length equality test (`tests/test_scheduling_serving.py`): the server's lengths
   against `sglang_dspark.scheduler.schedule_sync` on the same confidences and SPS table;
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from sglang_dspark.plugin.registry import register_after
 
@@ -50,6 +51,7 @@ def step_record(*, forward_ct, bs, layout, confidence, correct_len, verify_token
     if confidence is not None:  # exact: float64 holds every float32, JSON round-trips it
         conf = confidence.detach()[:bs].to("cpu", torch.float64).tolist()
     return {
+        "time": time.time(),  # wall clock at the end of the step (durations between steps)
         "step": int(forward_ct),
         "bs": int(bs),
         "confidence": conf,
