@@ -351,8 +351,8 @@ def test_a_contended_cpu_profile_is_flagged_and_never_read_back(tmp_path, monkey
 def test_the_start_up_log_line_names_the_table_file_in_every_case():
     for line, want in [
         ("DSpark SPS table profiled at start-up in 6.6 s, cached at /c/a.json: bias=1", "/c/a.json"),
-        ("DSpark SPS table profiled at start-up in 26.4 s, not cached (contended), written to "
-         "/c/a.busy.json: bias=1", "/c/a.busy.json"),
+        (("DSpark SPS table profiled at start-up in 26.4 s, not cached (contended), written to "
+          "/c/a.busy.json: bias=1"), "/c/a.busy.json"),
         ("DSpark SPS table read from /c/a.json: bias=1", "/c/a.json"),
     ]:  # fmt: skip
         assert sps.STARTUP_LINE.findall(line) == [want]
