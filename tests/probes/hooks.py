@@ -385,6 +385,24 @@ def dspark_sps_startup():
     assert table == cached, f"SPS table {table} is not the profiled one (flat: scheduling off)"
 
 
+def _step_observers(sts_stem: str, gamma: int):
+    """The fields of DsparkStepObservers that observe_verify_step reads, compact verify on."""
+    from sglang.srt.speculative.dspark_components.dspark_observability import (
+        DsparkStepObservers,
+    )
+
+    observers = SimpleNamespace(
+        _sts_collect_path=sts_stem, _sts_recorder=None, _gamma=gamma,
+        _verify_num_draft_tokens=gamma + 1, _block_accept_recorder=None,
+        _planner=SimpleNamespace(carries_confidence=True, is_compact_mode=True),
+        _confidence_probe=SimpleNamespace(maybe_observe=lambda **kw: None),
+        _info_dumper=SimpleNamespace(enabled=False),
+        _maybe_record_sts_collect=lambda **kw: DsparkStepObservers._maybe_record_sts_collect(
+            observers, **kw),
+    )  # fmt: skip
+    return observers
+
+
 @probe
 def dspark_sts_recorder():
     import tempfile
@@ -395,15 +413,7 @@ def dspark_sts_recorder():
 
     stem = os.path.join(tempfile.mkdtemp(), "sts")
     bs, gamma = 2, 4
-    observers = SimpleNamespace(
-        _sts_collect_path=stem, _sts_recorder=None, _gamma=gamma,
-        _verify_num_draft_tokens=gamma + 1, _block_accept_recorder=None,
-        _planner=SimpleNamespace(carries_confidence=True, is_compact_mode=True),
-        _confidence_probe=SimpleNamespace(maybe_observe=lambda **kw: None),
-        _info_dumper=SimpleNamespace(enabled=False),
-        _maybe_record_sts_collect=lambda **kw: DsparkStepObservers._maybe_record_sts_collect(
-            observers, **kw),
-    )  # fmt: skip
+    observers = _step_observers(stem, gamma)
     # compact verify: request 0 verified 2 drafts (both accepted), request 1 verified 4 (1 ok)
     verify_lens = torch.tensor([3, 5])
     DsparkStepObservers.observe_verify_step(
@@ -434,14 +444,7 @@ def dspark_verify_trace():
 
     stem = os.path.join(tempfile.mkdtemp(), "trace")
     bs, gamma = 2, 4
-    observers = SimpleNamespace(
-        _sts_collect_path="", _sts_recorder=None, _gamma=gamma,
-        _verify_num_draft_tokens=gamma + 1, _block_accept_recorder=None,
-        _planner=SimpleNamespace(carries_confidence=True, is_compact_mode=True),
-        _confidence_probe=SimpleNamespace(maybe_observe=lambda **kw: None),
-        _info_dumper=SimpleNamespace(enabled=False),
-        _maybe_record_sts_collect=lambda **kw: None,
-    )  # fmt: skip
+    observers = _step_observers("", gamma)
     confidence = torch.tensor([[0.9, 0.8, 0.1, 0.1], [0.7, 0.6, 0.5, 0.4]])
     os.environ["SGLANG_DSPARK_VERIFY_TRACE"] = stem
     try:
