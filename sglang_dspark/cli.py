@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
          "train a DSpark drafter against a frozen target"),
         ("evaluate", "sglang_dspark.evaluation", "add_arguments", "run",
          "offline evaluator: tau, position-wise acceptance, threshold sweep"),
+        ("compare", "sglang_dspark.evaluation.compare", "add_arguments", "run",
+         "paired comparison of drafters on the same prompts and seeds: tau table, CIs"),
         ("audit", "sglang_dspark.audit", "add_arguments", "run",
          "check that a running DSPARK server is lossless (exit code 0 / 1)"),
         ("calibrate", "sglang_dspark.calibration.cli", "add_arguments", "run",

@@ -247,6 +247,16 @@ def test_cpu_engine_is_set_for_a_cpu_device_and_a_contradiction_refused():
         ensure_cpu_engine("cpu", {"SGLANG_USE_CPU_ENGINE": "0"})
 
 
+def test_onednn_cache_is_capped_for_a_cpu_device_unless_set():
+    from sglang_dspark.plugin.cpu_memory import cap_onednn_cache
+
+    env: dict[str, str] = {}
+    assert cap_onednn_cache("cpu", env) and env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}
+    explicit = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
+    assert not cap_onednn_cache("cpu", explicit) and explicit["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
+    assert not cap_onednn_cache("cuda", {}) and not cap_onednn_cache(None, {})
+
+
 # ------------------------------------------------------------------------ real processes
 def _sitecustomize(tmp_path: Path, body: str) -> dict[str, str]:
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(body))
@@ -409,3 +419,4 @@ def test_readme_serve_command_works_as_typed_without_environment(embedded_paths,
     log = server.log_path.read_text()
     assert "SGLANG_USE_CPU_ENGINE=1 set for this launch" in log
     assert "SGLANG_DSPARK_SCHEDULER=sync" in log
+

@@ -229,10 +229,10 @@ def _tp_worker(rank: int, world: int, init: str, cache_dirs: list, out_dir: str,
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     from sglang.srt.runtime_context import get_context
 
-    from sglang_dspark.plugin import scheduling
+    from sglang_dspark.plugin import parallel, scheduling
 
-    scheduling._tp_cpu_group = lambda: dist.group.WORLD
-    scheduling._tp_rank = lambda: rank
+    parallel.tp_cpu_group = lambda: dist.group.WORLD
+    parallel.tp_rank = lambda: rank
     # each rank "times" its own forwards: rank r's are r + 1 times slower
     scale = rank + 1
     sps.profile_verify = lambda runner, *, verify_num_draft_tokens, max_requests: {

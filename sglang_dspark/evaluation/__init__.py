@@ -9,7 +9,7 @@ One prompt at a time, chain drafting, no scheduler, in plain PyTorch. Modules:
 ``decoding`` (the speculative loop: KV-cached target, drafter proposals, verification),
 ``metrics`` (tau, acceptance rate, position-wise acceptance P(accept k | 1..k-1 accepted),
 static confidence-threshold sweep), ``benchmarks`` (JSONL prompts, chat template),
-``report`` (results.json, calibration.npz for the STS fitter, PNG plots), ``runner``
+``compare`` (paired comparison of drafters, ``sglang-dspark compare``), ``report`` (results.json, calibration.npz for the STS fitter, PNG plots), ``runner``
 (the run and its command line: ``add_arguments`` / ``run``).
 """
 
@@ -18,6 +18,7 @@ from .decoding import (
     CachedTarget,
     DraftProposer,
     Generation,
+    MtpProposer,
     Proposal,
     Proposer,
     Round,
@@ -46,6 +47,7 @@ __all__ = [
     "DraftProposer",
     "EvalConfig",
     "Generation",
+    "MtpProposer",
     "Proposal",
     "Proposer",
     "Round",

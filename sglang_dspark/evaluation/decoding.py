@@ -13,6 +13,10 @@
    accepted and the replacement / bonus token becomes the next anchor; the cache is cropped
    to a + n + 1 (anchor + n accepted tokens), whose features extend the context.
    tau = n + 1 tokens per round.
+
+The MTP-1 baseline (`MtpProposer`) drafts one token per round from the target's final normed
+hidden states (`CachedTarget(features="final")`), as SGLang's EAGLE worker hands them to a
+draft with `use_aux_hidden_state: false`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from ..drafter.markov_head import sample_block
 from ..drafter.model import BlockLayout, DSparkDrafter
+from ..drafter.mtp import MtpDrafter
 from ..drafter.target import TargetAdapter
 from ..rejection import chain_rejection_sample
 
@@ -46,12 +51,16 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator)
 class CachedTarget:
     """The target with a KV cache; each forward also returns the drafter's context features.
 
-    Features are captured like :meth:`TargetAdapter.features` (output of decoder layer l for
-    each l in ``target_layer_ids``, concatenated in order), only incrementally.
+    ``features="layers"``: captured like :meth:`TargetAdapter.features` (output of decoder
+    layer l for each l in ``target_layer_ids``, concatenated in order), only incrementally.
+    ``features="final"``: the final normed hidden state (the LM head's input), for MTP-1.
     """
 
-    def __init__(self, adapter: TargetAdapter) -> None:
+    def __init__(self, adapter: TargetAdapter, features: str = "layers") -> None:
+        if features not in ("layers", "final"):
+            raise ValueError(f"features must be 'layers' or 'final', got {features!r}")
         self.adapter = adapter
+        self.features = features
         self.cache: Any = None
 
     @property
@@ -80,15 +89,18 @@ class CachedTarget:
 
             return fn
 
-        layers = self.adapter.layers
-        handles = [layers[i].register_forward_hook(hook(i)) for i in self.adapter.target_layer_ids]
+        if self.features == "final":
+            points = {-1: self.adapter.base.norm}
+        else:
+            points = {i: self.adapter.layers[i] for i in self.adapter.target_layer_ids}
+        handles = [m.register_forward_hook(hook(i)) for i, m in points.items()]
         try:
             ids = torch.tensor([list(token_ids)], dtype=torch.long)
             out = self.adapter.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
         finally:
             for h in handles:
                 h.remove()
-        context = torch.cat([captured[i][0] for i in self.adapter.target_layer_ids], dim=-1)
+        context = torch.cat([captured[i][0] for i in points], dim=-1)
         return out.logits[0].float(), context
 
 
@@ -158,6 +170,33 @@ class DraftProposer:
         prev = torch.cat([block[:, :1], drafts[:, :-1]], dim=1)  # x_0..x_{gamma-1}
         conf = d.confidence_logits(hidden, prev)
         return Proposal(drafts[0], logits[0], None if conf is None else conf[0].float())
+
+
+class MtpProposer:
+    """The MTP-1 baseline: one NextN step over rows (h_t, x_{t+1}), t = 0..a-1, whose last
+    row (h_{a-1}, x_0) drafts x_1. The layer re-reads the whole prefix each round (no draft
+    KV cache): the reference is slow but exact, and only its acceptance is measured."""
+
+    gamma = 1
+
+    def __init__(self, drafter: MtpDrafter) -> None:
+        self.drafter = drafter.eval()
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        tokens: torch.Tensor,
+        context: torch.Tensor,
+        temperature: float,
+        generator: torch.Generator,
+    ) -> Proposal:
+        a = tokens.numel() - 1
+        if context.shape[0] != a or a < 1:
+            raise ValueError(f"context has {context.shape[0]} rows for an anchor at {a}")
+        out = self.drafter(context, tokens[1:], torch.arange(a))
+        logits = self.drafter.logits(out[-1:]).float()  # [1, V]
+        draft = sample(logits[0], temperature, generator)
+        return Proposal(torch.tensor([draft], dtype=torch.long), logits, None)
 
 
 # ---------------------------------------------------------------------------- verification

@@ -95,9 +95,11 @@ class RunRecord:
     prefill_s: float = 0.0
     baseline_tokens: int = 0
     baseline_s: float = 0.0
+    per_prompt: list[tuple[int, int]] = field(default_factory=list)  # (accepted, rounds)
 
     def add(self, gen: Generation) -> None:
         self.prompts += 1
+        self.per_prompt.append((sum(r.accepted for r in gen.rounds), len(gen.rounds)))
         self.generated_tokens += len(gen.tokens)
         for r in gen.rounds:
             self.accepted.append(r.accepted)

@@ -95,7 +95,8 @@ def write_plots(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
         ax.set_ylim(0, 1.02)
         ax2.set_ylabel("tau (dashed)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower left")
+        if ax.get_legend_handles_labels()[0]:  # no sweep without a confidence head (MTP-1)
+            ax.legend(fontsize=8, loc="lower left")
     paths.append(_save(fig, out_dir / "threshold_sweep.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -12,11 +13,19 @@ from typing import Any
 
 import torch
 
-from ..drafter.checkpoint import DraftCheckpointError, load_draft
+from ..drafter.checkpoint import DraftCheckpointError, load_draft, load_mtp_draft
 from ..drafter.config import DraftConfigError
+from ..drafter.mtp import is_mtp_config
 from ..drafter.target import TargetAdapter
 from .benchmarks import DEFAULT_BENCHMARKS, default_eval_dir, encode_chat, load_prompts
-from .decoding import CachedTarget, DraftProposer, Proposer, speculative_generate, target_generate
+from .decoding import (
+    CachedTarget,
+    DraftProposer,
+    MtpProposer,
+    Proposer,
+    speculative_generate,
+    target_generate,
+)
 from .metrics import DEFAULT_THRESHOLDS, RunRecord, build_results
 from .report import write_outputs
 
@@ -99,15 +108,31 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------------- loading
+def is_mtp_draft(draft_dir: str | Path) -> bool:
+    """True for an MTP-1 (EAGLE3-format NextN) draft directory."""
+    path = Path(draft_dir) / "config.json"
+    try:
+        return is_mtp_config(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError):
+        return False  # load_draft says what is wrong with the directory
+
+
 def load_models(
     target_dir: str | Path, draft_dir: str | Path, *, dtype: str = "float32"
-) -> tuple[CachedTarget, DraftProposer]:
-    """Target (HF) + drafter, checked against each other (clear error if they do not fit)."""
+) -> tuple[CachedTarget, Proposer]:
+    """Target (HF) + drafter (DSpark, or an MTP-1 draft), checked against each other (clear
+    error if they do not fit)."""
     if not (Path(target_dir) / "config.json").is_file():
         raise FileNotFoundError(
             f"{target_dir} is not a Hugging Face model directory (no config.json); pass the "
             "target model directory to --target."
         )
+    if is_mtp_draft(draft_dir):
+        mtp = load_mtp_draft(draft_dir, target_config=target_dir)
+        adapter = TargetAdapter.from_pretrained(target_dir, [0], dtype=getattr(torch, dtype))
+        mtp = mtp.to(getattr(torch, dtype))
+        mtp.attach_shared(adapter.embed_weight, adapter.lm_head_weight)
+        return CachedTarget(adapter, features="final"), MtpProposer(mtp)
     drafter = load_draft(draft_dir, target_config=target_dir)  # validate_draft_for_target
     adapter = TargetAdapter.from_pretrained(
         target_dir, drafter.config.target_layer_ids, dtype=getattr(torch, dtype)

@@ -1,4 +1,6 @@
-"""`cpu_scheduler_malloc_trim`: the CPU scheduler gives freed heap memory back to the system.
+"""CPU serving memory: `cpu_scheduler_malloc_trim` and `cpu_onednn_primitive_cache`.
+
+`cpu_scheduler_malloc_trim`: the CPU scheduler gives freed heap memory back to the system.
 
 On the CPU engine every tensor lives in glibc malloc's heap. glibc raises its mmap threshold to
 the size of each freed mmapped block (up to 32 MiB), so after the first vocabulary-sized logits
@@ -16,6 +18,15 @@ releases the GIL). The alternative, a fixed mmap threshold
 (`mallopt(M_MMAP_THRESHOLD, 1 MiB)` in the scheduler), was measured and rejected: in a 10-minute
 soak at 16 users it served 3.2x fewer tokens (0.134 against 0.043 CPU s per output token: every
 large per-step tensor becomes a fresh mmap with its page faults) and still grew.
+
+`cpu_onednn_primitive_cache`: oneDNN (torch's bf16 matmuls on CPU) keeps one JIT-compiled
+primitive per matmul shape, up to `ONEDNN_PRIMITIVE_CACHE_CAPACITY` (default 1024). Compact
+verify makes a new batch-token count almost every step, so on the CPU engine that cache is a
+slow leak of a few MB per finished request that trimming cannot return (trimmed soak: +149 MB
+over the second half of 10 minutes). When argument resolution reaches the CPU backends with the
+device `cpu` and the variable is unset, the launcher sets it to 16 before any SGLang process
+starts (they inherit it; oneDNN reads it once, at its first primitive). An explicit value is
+kept. Recorded in docs/measurements.md (paired soak).
 """
 
 from __future__ import annotations
@@ -98,4 +109,34 @@ def install() -> None:
     register_before("sglang.srt.managers.scheduler.Scheduler.run_event_loop", _before_event_loop)
 
 
-HOOKS = {"cpu_scheduler_malloc_trim": install}
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_CACHE_CPU_DEFAULT = "16"
+
+
+def cap_onednn_cache(device: str | None, environ: dict[str, str] | None = None) -> bool:
+    """Set oneDNN's primitive cache capacity for a CPU device when unset; True when set here."""
+    env = os.environ if environ is None else environ
+    if not str(device or "").startswith("cpu") or env.get(ONEDNN_CACHE_ENV, "").strip():
+        return False
+    env[ONEDNN_CACHE_ENV] = ONEDNN_CACHE_CPU_DEFAULT
+    return True
+
+
+def _onednn_cache_for_cpu_device(server_args) -> None:
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if cap_onednn_cache(resolving_view(server_args).device):
+        logger.info("sglang-dspark: --device cpu: %s=%s set for this launch (oneDNN keeps one "
+                    "kernel per matmul shape)", ONEDNN_CACHE_ENV, ONEDNN_CACHE_CPU_DEFAULT)  # fmt: skip
+
+
+def install_onednn_cache() -> None:
+    register_before(
+        "sglang.srt.arg_groups.platform_hook.handle_cpu_backends", _onednn_cache_for_cpu_device
+    )
+
+
+HOOKS = {
+    "cpu_scheduler_malloc_trim": install,
+    "cpu_onednn_primitive_cache": install_onednn_cache,
+}

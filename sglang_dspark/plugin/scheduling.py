@@ -40,6 +40,7 @@ import logging
 import os
 import time
 
+from sglang_dspark.plugin import parallel
 from sglang_dspark.plugin.registry import register_after, register_around, register_before
 
 logger = logging.getLogger(__name__)
@@ -269,28 +270,6 @@ def _device_name(device) -> str:
     return f"{dev.type}:{platform.processor() or platform.machine()}:{os.cpu_count()}cpu"
 
 
-def _tp_cpu_group():
-    """SGLang's tensor-parallel CPU group, or None with one rank (or outside a server)."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        par = get_parallel()
-        if int(par.tp_size or 1) <= 1:
-            return None
-        return par.tp_group.cpu_group
-    except (AttributeError, ValueError, RuntimeError):
-        return None
-
-
-def _tp_rank() -> int:
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        return int(get_parallel().tp_rank or 0)
-    except (AttributeError, ValueError, RuntimeError):
-        return 0
-
-
 def _build_sps_table(original, *, verify_num_draft_tokens):
     from sglang.srt.runtime_context import get_schedule, get_spec
     from sglang.srt.speculative.dspark_components.dspark_sps import SpsCostTable
@@ -308,10 +287,10 @@ def _build_sps_table(original, *, verify_num_draft_tokens):
     key = sps_key_for(
         runner, verify_num_draft_tokens=verify_num_draft_tokens, max_requests=max_requests
     )
-    group = _tp_cpu_group()
+    group = parallel.tp_cpu_group()
     # rank 0 reads the cache and every rank takes its answer: a rank that profiled while
     # another read a table would wait forever in the profile's collectives
-    table = sps.agree(sps.load_cached(key) if _tp_rank() == 0 else None, group)
+    table = sps.agree(sps.load_cached(key) if parallel.tp_rank() == 0 else None, group)
     if table is not None:
         logger.info("DSpark SPS table read from %s: %s", sps.cache_path(key), sps.describe(table))
         return table
@@ -391,7 +370,7 @@ def _finish_with_draft(job: dict, draft_runner) -> None:
             "profile again (or pass --speculative-dspark-sps-table-path).",
             busy,
         )
-    elif _tp_rank() == 0:
+    elif parallel.tp_rank() == 0:
         path = sps.save_cached(job["key"], table, seconds=seconds, cpu=job.get("cpu_share"))
     else:
         path = sps.cache_path(job["key"])  # rank 0 writes it

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_dspark.plugin import parallel
 from sglang_dspark.plugin.registry import register_after, register_around
 
 
@@ -78,18 +79,6 @@ class StsRecorder:
         self._dirty = False
 
 
-def _rank() -> int:
-    from sglang.srt.runtime_context import get_parallel
-
-    def read(name: str, default: int) -> int:
-        try:
-            return int(getattr(get_parallel(), name) or default)
-        except (AttributeError, ValueError, RuntimeError):  # unwritten outside a server
-            return default
-
-    return read("dp_rank", 0) * read("tp_size", 1) + read("tp_rank", 0)
-
-
 def _observe_verify_step(original, observers, **kw):
     stem = observers._sts_collect_path
     if not stem:
@@ -108,7 +97,7 @@ def _observe_verify_step(original, observers, **kw):
         recorder = StsRecorder(
             stem,
             observers._gamma,
-            _rank(),
+            parallel.global_rank(),
             int(os.environ.get("SGLANG_DSPARK_STS_FLUSH_EVERY", "64")),
         )
         observers._dspark_sts_recorder = recorder

@@ -66,9 +66,9 @@ def _trace(result, observers, *args, **kw):
     stem = os.environ.get(TRACE_ENV, "")
     if not stem:
         return result
-    from sglang_dspark.plugin.sts_collect import _rank
+    from sglang_dspark.plugin.parallel import global_rank
 
-    path = trace_path(stem, _rank())
+    path = trace_path(stem, global_rank())
     f = _files.get(path)
     if f is None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

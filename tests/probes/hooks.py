@@ -97,6 +97,28 @@ def cpu_engine_for_device_cpu():
 
 
 @probe
+def cpu_onednn_primitive_cache():
+    from sglang.srt.server_args import prepare_server_args
+
+    saved = os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
+    try:
+        args = prepare_server_args([
+            "--model-path", os.environ["PROBE_TARGET"], "--device", "cpu",
+            "--attention-backend", "torch_native",
+        ])  # fmt: skip
+        args.resolve_once()
+        capacity = os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    finally:
+        os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
+        if saved is not None:
+            os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = saved
+    assert capacity == "16", (
+        f"--device cpu resolved with ONEDNN_PRIMITIVE_CACHE_CAPACITY={capacity}: oneDNN keeps "
+        "up to 1024 kernels, one per verify batch shape"
+    )
+
+
+@probe
 def cpu_scheduler_malloc_trim():
     import threading
 

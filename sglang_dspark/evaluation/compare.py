@@ -1,0 +1,336 @@
+"""Paired comparison of drafters: the same prompts, seeds and settings for each, one table.
+
+    sglang-dspark compare --target DIR --draft shipped=DIR --draft new=DIR --out DIR \\
+        [--limit 20] [--max-new-tokens 256] [--temperatures 1,0] [--server]
+
+Each drafter (DSpark, DFlash = DSpark without a Markov head, or an MTP-1 draft) runs the
+offline evaluator on the same prompts with the same per-prompt seeds (`runner.prompt_seed`).
+tau is tokens per verify round, bonus included, over the full block (no scheduler).
+Temperature 1 is the headline (the paper's), temperature 0 beside it.
+
+The ratio of each drafter's tau to the first one's comes with a paired bootstrap 95% interval
+over prompts (the same resampled prompts for both, pooled tau = (accepted + rounds) / rounds),
+so two drafters can be told apart on one run: an interval that holds 1.0 is a tie.
+
+`--server` also serves every drafter with SGLang on CPU (the embedded default's launch, the
+`static` scheduler so that the whole block is verified) and reports the server's tau on the
+same prompts: (completion tokens - 1) / verify rounds per request, pooled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .benchmarks import DEFAULT_BENCHMARKS, default_eval_dir, encode_chat, load_prompts
+from .metrics import DEFAULT_THRESHOLDS, RunRecord, build_results
+from .report import write_outputs
+
+logger = logging.getLogger(__name__)
+
+BOOTSTRAP_RESAMPLES = 2000
+ALL = "all"
+
+
+@dataclasses.dataclass
+class Arm:
+    name: str
+    path: Path
+
+
+def parse_arm(text: str) -> Arm:
+    """NAME=DIR, or DIR (named after the directory)."""
+    name, sep, path = text.partition("=")
+    if not sep:
+        name, path = Path(text).name, text
+    if not name or not path:
+        raise ValueError(f"--draft {text!r}: expected NAME=DIR, e.g. shipped=path/to/draft")
+    return Arm(name, Path(path))
+
+
+# ---------------------------------------------------------------------------- maths
+def pooled_tau(accepted: np.ndarray, rounds: np.ndarray) -> float:
+    r = float(rounds.sum())
+    return (float(accepted.sum()) + r) / r if r > 0 else float("nan")
+
+
+def paired_ratio(
+    a: tuple[np.ndarray, np.ndarray],
+    b: tuple[np.ndarray, np.ndarray],
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> dict[str, float]:
+    """tau_b / tau_a with a paired percentile-bootstrap 95% interval over prompts.
+
+    a, b: (accepted drafts per prompt, verify rounds per prompt), aligned on the prompt."""
+    (acc_a, rnd_a), (acc_b, rnd_b) = a, b
+    n = len(acc_a)
+    if n != len(acc_b):
+        raise ValueError(f"unpaired: {n} prompts against {len(acc_b)}")
+    ratio = pooled_tau(acc_b, rnd_b) / pooled_tau(acc_a, rnd_a)
+    if n < 2:
+        return {"ratio": ratio, "low": float("nan"), "high": float("nan")}
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    ra, rb = rnd_a[idx].sum(1), rnd_b[idx].sum(1)
+    ta = (acc_a[idx].sum(1) + ra) / np.maximum(ra, 1)
+    tb = (acc_b[idx].sum(1) + rb) / np.maximum(rb, 1)
+    low, high = np.percentile(tb / ta, [2.5, 97.5])
+    return {"ratio": float(ratio), "low": float(low), "high": float(high)}
+
+
+def per_prompt(records: Sequence[RunRecord], temperature: float, benchmark: str | None):
+    """(accepted, rounds) per prompt at one temperature, one benchmark or all (in order)."""
+    acc: list[int] = []
+    rnd: list[int] = []
+    for r in records:
+        if r.temperature == temperature and benchmark in (None, r.benchmark):
+            acc += [a for a, _ in r.per_prompt]
+            rnd += [n for _, n in r.per_prompt]
+    return np.array(acc, dtype=np.int64), np.array(rnd, dtype=np.int64)
+
+
+def comparison_table(
+    arms: dict[str, list[RunRecord]],
+    temperatures: Sequence[float],
+    benchmarks: Sequence[str],
+    server: dict[str, dict[str, dict[str, float | None]]] | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One row per (temperature, benchmark or "all"): tau per arm, ratio to the first arm."""
+    names = list(arms)
+    rows = []
+    for temp in temperatures:
+        for bench in [*benchmarks, ALL]:
+            key = None if bench == ALL else bench
+            cells = {n: per_prompt(arms[n], temp, key) for n in names}
+            row: dict[str, Any] = {
+                "temperature": temp,
+                "benchmark": bench,
+                "prompts": len(cells[names[0]][0]),
+                "tau": {n: pooled_tau(*cells[n]) for n in names},
+                "ratio": {
+                    n: paired_ratio(cells[names[0]], cells[n], seed=seed) for n in names[1:]
+                },
+            }
+            if server is not None:
+                row["server_tau"] = {n: server.get(n, {}).get(f"{temp:g}", {}).get(bench)
+                                     for n in names}  # fmt: skip
+            rows.append(row)
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The table as Markdown."""
+    if not rows:
+        return ""
+    names = list(rows[0]["tau"])
+    server = "server_tau" in rows[0]
+    head = ["T", "benchmark", "prompts", *[f"tau {n}" for n in names]]
+    head += [f"{n} / {names[0]} [95% CI]" for n in names[1:]]
+    if server:
+        head += [f"server tau {n}" for n in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{r['temperature']:g}", r["benchmark"], str(r["prompts"])]
+        cells += [f"{r['tau'][n]:.3f}" for n in names]
+        cells += [
+            f"{q['ratio']:.3f} [{q['low']:.3f}, {q['high']:.3f}]"
+            for q in (r["ratio"][n] for n in names[1:])
+        ]
+        if server:
+            cells += ["-" if r["server_tau"][n] is None else f"{r['server_tau'][n]:.3f}"
+                      for n in names]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_table(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Grouped bars: tau per benchmark and arm, one panel per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows[0]["tau"])
+    temps = list(dict.fromkeys(r["temperature"] for r in rows))
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False)
+    width = 0.8 / len(names)
+    for ax, temp in zip(axes[0], temps, strict=True):
+        at = [r for r in rows if r["temperature"] == temp]
+        x = np.arange(len(at))
+        for i, n in enumerate(names):
+            ax.bar(x + i * width, [r["tau"][n] for r in at], width, label=n)
+        ax.set_xticks(x + width * (len(names) - 1) / 2, [r["benchmark"] for r in at])
+        ax.set(title=f"T = {temp:g}", ylabel="tau (tokens per round)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- serving
+def server_tau(
+    target: Path,
+    arm: Arm,
+    prompts: dict[str, list[list[int]]],
+    temperatures: Sequence[float],
+    max_new_tokens: int,
+    seed: int,
+    log_dir: Path,
+) -> dict[str, dict[str, float | None]]:
+    """tau of one drafter served by SGLang (CPU, static scheduler) on the same prompts."""
+    from ..client import generate_many
+    from ..embedded import EmbeddedPaths, launch_command, launch_env
+    from ..server import SGLangServer, free_port
+    from .runner import is_mtp_draft, prompt_seed
+
+    mtp = is_mtp_draft(arm.path)
+    paths = EmbeddedPaths(target, arm.path, True, arm.path, True)
+    port = free_port()
+    cmd = launch_command(paths, port=port, arm="mtp1" if mtp else "dspark")
+    env = launch_env(scheduler=None if mtp else "static")
+    out: dict[str, dict[str, float | None]] = {}
+    with SGLangServer(cmd, env, port, log_dir / f"server-{arm.name}.log") as srv:
+        for temp in temperatures:
+            pooled = [0, 0]
+            cell: dict[str, float | None] = {}
+            for bench, ids in prompts.items():
+                seeds = [prompt_seed(seed, bench, i, temp) for i in range(len(ids))]
+                got = [0, 0]
+                for s, p in zip(seeds, ids, strict=True):
+                    (resp,) = generate_many(srv.base_url, [p], concurrency=1,
+                                            max_new_tokens=max_new_tokens, temperature=temp,
+                                            sampling_seed=s)  # fmt: skip
+                    meta = resp["meta_info"]
+                    got[0] += int(meta["completion_tokens"]) - 1
+                    got[1] += int(meta.get("spec_verify_ct") or 0)
+                cell[bench] = got[0] / got[1] if got[1] else None
+                pooled = [pooled[0] + got[0], pooled[1] + got[1]]
+            cell[ALL] = pooled[0] / pooled[1] if pooled[1] else None
+            out[f"{temp:g}"] = cell
+    return out
+
+
+# ---------------------------------------------------------------------------- the run
+def run_comparison(args: argparse.Namespace) -> dict[str, Path]:
+    from transformers import AutoTokenizer
+
+    from .runner import eos_ids, evaluate, load_models
+
+    arms = [parse_arm(a) for a in args.draft]
+    if len({a.name for a in arms}) != len(arms):
+        raise ValueError(f"--draft names must differ, got {[a.name for a in arms]}")
+    for a in arms:
+        if not (a.path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--draft {a.name}={a.path}: no config.json there; pass a draft directory "
+                "(SGLang format, e.g. an `sglang-dspark export` output)."
+            )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
+    texts = {b: load_prompts(eval_dir, b, args.limit) for b in args.benchmarks}
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = {b: [encode_chat(tokenizer, t) for t in ts] for b, ts in texts.items()}
+    eos = eos_ids(args.target, tokenizer)
+
+    records: dict[str, list[RunRecord]] = {}
+    for arm in arms:
+        logger.info("drafter %s (%s)", arm.name, arm.path)
+        target, proposer = load_models(args.target, arm.path, dtype=args.dtype)
+        recs = evaluate(
+            target, proposer, prompts, temperatures=args.temperatures,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, eos_token_ids=eos,
+            progress=args.progress,
+        )  # fmt: skip
+        config = {"draft": str(arm.path), "name": arm.name, "limit": args.limit,
+                  "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                  "dtype": args.dtype, "eval_dir": str(eval_dir)}  # fmt: skip
+        results = build_results(recs, proposer.gamma, DEFAULT_THRESHOLDS, config)
+        write_outputs(recs, results, out / arm.name)
+        records[arm.name] = recs
+        del target, proposer
+        gc.collect()
+
+    server = None
+    if args.server:
+        server = {}
+        for a in arms:
+            server[a.name] = server_tau(
+                Path(args.target), a, prompts, args.temperatures, args.max_new_tokens,
+                args.seed, out,
+            )  # fmt: skip
+    rows = comparison_table(records, args.temperatures, args.benchmarks, server, args.seed)
+    table = format_table(rows)
+    summary = {
+        "target": str(args.target),
+        "drafters": {a.name: str(a.path) for a in arms},
+        "benchmarks": list(args.benchmarks),
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "temperatures": list(args.temperatures),
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "bootstrap_resamples": BOOTSTRAP_RESAMPLES,
+        "rows": rows,
+    }
+    paths = {
+        "json": out / "comparison.json",
+        "markdown": out / "comparison.md",
+        "plot": out / "comparison.png",
+    }
+    paths["json"].write_text(json.dumps(summary, indent=2) + "\n")
+    paths["markdown"].write_text(table + "\n")
+    plot_table(rows, paths["plot"])
+    print(table)
+    return paths
+
+
+# ---------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .runner import _floats, _names
+
+    parser.add_argument("--target", required=True, help="target model directory (HF format)")
+    parser.add_argument(
+        "--draft", action="append", required=True, metavar="NAME=DIR",
+        help="a drafter to compare (repeat; the first is the reference of the ratios)",
+    )  # fmt: skip
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--benchmarks", type=_names, default=list(DEFAULT_BENCHMARKS))
+    parser.add_argument("--eval-dir", default=None, help="benchmark folder (default: packaged)")
+    parser.add_argument("--limit", type=int, default=20, help="prompts per benchmark (20)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--temperatures", "--temperature", dest="temperatures", type=_floats, default=[1.0, 0.0],
+        help="comma-separated (default 1,0: the paper's headline first)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--server", action="store_true",
+        help="also serve each drafter with SGLang on CPU (static scheduler) and report its tau",
+    )  # fmt: skip
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def run(args: argparse.Namespace) -> int:
+    if len(args.draft) < 1:
+        raise ValueError("name at least one --draft")
+    if args.limit <= 0 or args.max_new_tokens <= 0:
+        raise ValueError("--limit and --max-new-tokens must be positive")
+    if not args.temperatures or any(t < 0 for t in args.temperatures):
+        raise ValueError(f"--temperatures must be >= 0, got {args.temperatures}")
+    paths = run_comparison(args)
+    print(paths["markdown"])
+    return 0
