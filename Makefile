@@ -29,12 +29,12 @@ serve: setup
 	$(BIN)/sglang-dspark demo --keep-serving
 
 test: setup
-	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks
+	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels
 	$(BIN)/python scripts/install_helm.py
 	$(BIN)/python -m pytest
 
 lint: setup
-	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks
+	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels
 
 bench: setup
 	$(BIN)/python benchmarks/serving_speed.py

@@ -1,0 +1,151 @@
+"""(b) Indexer query preparation (RoPE + Hadamard + fp8) and the indexer K store.
+
+Triton under Triton's interpreter on CPU (compiled on a GPU) against the torch reference; on a GPU
+also against SGLang's `fused_q_indexer_rope_hadamard_quant`.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import dspark_kernels  # noqa: F401
+except ImportError:  # `pip install -e .` puts kernels/ on the path; before that, do it here
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from dspark_kernels import indexer_query, kv_layout, rotation
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+# On CPU the kernels run in Triton's interpreter. It has to be on when Triton is first imported
+# (Triton's own library functions, `tl.sum`, `tl.sort`, ..., are defined then), which a pytest
+# process running other tests cannot promise. So unless TRITON_INTERPRET=1 is set, these tests
+# run in a child pytest started with it (test_in_triton_interpreter) and are skipped here.
+DIRECT = GPU or os.environ.get("TRITON_INTERPRET") == "1"
+direct = pytest.mark.skipif(not DIRECT, reason="runs in the TRITON_INTERPRET=1 child process")
+needs_gpu = pytest.mark.skipif(
+    not GPU, reason="compares with SGLang's CUDA kernels: needs a CUDA GPU, none on this machine"
+)
+
+
+@pytest.mark.skipif(DIRECT, reason="the kernels run in this process")
+def test_in_triton_interpreter(pytestconfig):
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
+    if pytestconfig.getoption("markexpr"):
+        cmd += ["-m", pytestconfig.getoption("markexpr")]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parent, check=False
+    )
+    # 5: every test deselected by the -m expression
+    assert child.returncode in (0, 5), child.stdout[-6000:] + child.stderr[-3000:]
+
+
+HEADS = 64  # V4 index_n_heads
+VERIFY_LENS = [1, 6, 2, 5, 3, 4]  # 1 .. gamma + 1 mixed
+PREFIX_LENS = [7, 250, 0, 4093, 128, 61]
+
+
+def freqs_cis(max_pos: int, theta: float = 10000.0) -> torch.Tensor:
+    inv = theta ** (-torch.arange(0, 32, dtype=torch.float64) / 32)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def query_batch(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.tensor(
+        [p for prefix, n in zip(PREFIX_LENS, VERIFY_LENS) for p in range(prefix, prefix + n)]
+    )
+    n = positions.numel()
+    q = (torch.randn(n, HEADS, 128, generator=gen) * 2).to(torch.bfloat16)
+    q[0, 0] = 0  # an all-zero head: scale floors at 1e-4 / 448
+    weight = torch.randn(n, HEADS, generator=gen).to(torch.bfloat16)
+    return q, weight, 128**-0.5 * HEADS**-0.5, positions
+
+
+def assert_fp8_close(got_codes, want_codes, got_scale, want_scale):
+    """Codes equal but for rare one-step flips at rounding ties; scales to float32 rounding."""
+    torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+    got = got_codes.view(torch.float8_e4m3fn).float()
+    want = want_codes.view(torch.float8_e4m3fn).float()
+    assert float((got != want).float().mean()) < 0.002
+    assert bool(((got - want).abs() <= want.abs() / 8 + 2**-9).all())
+
+
+@direct
+def test_query_matches_reference_on_ragged_verify():
+    q, weight, scale, positions = query_batch()
+    freqs = freqs_cis(4200)
+    got_q, got_w = indexer_query.indexer_query(
+        q.to(DEVICE), weight.to(DEVICE), scale, freqs.to(DEVICE), positions.to(DEVICE)
+    )
+    want_q, want_w = indexer_query.indexer_query_reference(q, weight, scale, freqs, positions)
+    assert got_q.shape == (q.shape[0], HEADS, 128) and got_q.dtype == torch.float8_e4m3fn
+    assert got_w.shape == (q.shape[0], HEADS, 1) and got_w.dtype == torch.float32
+    q_scale = got_w.cpu() / (weight.float()[..., None] * scale)
+    want_scale = want_w / (weight.float()[..., None] * scale)
+    assert_fp8_close(got_q.cpu(), want_q, q_scale, want_scale)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-6, atol=1e-12)
+
+
+@direct
+def test_query_reference_preserves_logits():
+    """The rotation is orthonormal: q . k is kept when both sides are rotated (fp8 aside)."""
+    q, weight, scale, positions = query_batch(seed=2)
+    freqs = freqs_cis(4200)
+    codes, weights = indexer_query.indexer_query_reference(q, weight, scale, freqs, positions)
+    q_scale = (weights / (weight.float()[..., None] * scale)).clamp_min(0)
+    deq = codes.float() * q_scale
+    roped = rotation.rope_tail_torch(q.float(), torch.view_as_real(freqs)[positions][:, None])
+    k = torch.randn(128, generator=torch.Generator().manual_seed(3))
+    got, want = deq @ rotation.hadamard_torch(k), roped @ k
+    assert float((got - want).norm() / want.norm()) < 0.05  # fp8 e4m3: ~3% relative rms
+
+
+@direct
+def test_index_k_store_matches_reference():
+    """The C4 indexer compressor's store: rows of closing tokens only, slots across pages."""
+    gen = torch.Generator().manual_seed(4)
+    positions = torch.tensor([3, 4, 7, 255, 259, -1, 63, 127])  # -1: a padding token
+    slots = torch.tensor([0, 9, 1, 63, 64, 5, 70, 127])
+    k = torch.randn(positions.numel(), 128, generator=gen) * 3
+    weight = 1 + 0.2 * torch.randn(128, generator=gen)
+    freqs = freqs_cis(512)
+    got = kv_layout.new_index_cache(2).to(DEVICE)
+    want = kv_layout.new_index_cache(2)
+    indexer_query.index_k_store(
+        k.to(DEVICE), weight.to(DEVICE), 1e-6, freqs.to(DEVICE), positions.to(DEVICE),
+        slots.to(DEVICE), got,
+    )  # fmt: skip
+    closing = (positions >= 0) & ((positions + 1) % 4 == 0)
+    indexer_query.index_k_store_reference(
+        k[closing], weight, 1e-6, freqs, positions[closing] - 3, slots[closing], want
+    )
+    got = got.cpu()
+    live = slots[closing]
+    g_codes, g_scale = kv_layout.read_index_rows(got, live)
+    w_codes, w_scale = kv_layout.read_index_rows(want, live)
+    assert_fp8_close(g_codes, w_codes, g_scale, w_scale)
+    others = torch.tensor([9, 5])  # the non-closing and the padding token wrote nothing
+    assert not kv_layout.read_index_rows(got, others)[0].any()
+
+
+@needs_gpu
+def test_query_matches_sglang_fused_q_indexer_rope_hadamard_quant():
+    from sglang.kernels.ops.attention.dsv4 import fused_q_indexer_rope_hadamard_quant
+
+    q, weight, scale, positions = [
+        t.cuda() if isinstance(t, torch.Tensor) else t for t in query_batch(seed=1)
+    ]
+    freqs = freqs_cis(4200).cuda()
+    got_q, got_w = indexer_query.indexer_query(q, weight, scale, freqs, positions)
+    want_q, want_w = fused_q_indexer_rope_hadamard_quant(q, weight, scale, freqs, positions)
+    base = weight.float()[..., None] * scale
+    assert_fp8_close(
+        got_q.view(torch.uint8).cpu(), want_q.view(torch.uint8).cpu(),
+        (got_w / base).cpu(), (want_w / base).cpu(),
+    )  # fmt: skip
