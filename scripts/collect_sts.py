@@ -7,8 +7,8 @@
 Starts the embedded server on 127.0.0.1 with SGLANG_DSPARK_STS_COLLECT_PATH=<out-stem>, the
 drafter WITHOUT its sts.json (the recorder wants raw logits), and verification of every draft
 (SGLANG_DSPARK_SCHEDULER=async with SGLANG_DSPARK_SPS_PROFILE=0: a flat cost table, so no
-window is trimmed and every position gets a label). Sends the prompts greedily at
---concurrency, stops the server, and prints the number of blocks on disk
+window is trimmed and every position gets a label). Sends the prompts at --temperature
+(default 0, greedy) and --concurrency, stops the server, and prints the number of blocks on disk
 (<out-stem>.rank0.*.pt; fit them with `sglang-dspark calibrate`).
 """
 
@@ -33,10 +33,15 @@ def main(argv=None) -> int:
                         help="JSONL files whose 'id's are left out (e.g. the training data)")
     parser.add_argument("--limit", type=int, default=160, help="prompts (per benchmark)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of the requests (1: the blocks T=1 traffic "
+                        "drafts and accepts; default 0, greedy)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--draft", type=Path, default=None, help="default: the embedded draft")
     parser.add_argument("--out-stem", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
 
     from transformers import AutoTokenizer
 
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
         from tqdm import tqdm
 
         with ThreadPoolExecutor(args.concurrency) as pool:
-            jobs = pool.map(lambda ids: generate_ids(server.base_url, ids, temperature=0,
+            jobs = pool.map(lambda ids: generate_ids(server.base_url, ids, temperature=args.temperature,
                                                      max_new_tokens=args.max_new_tokens),
                             prompt_ids)
             for _ in tqdm(jobs, total=len(prompt_ids), desc="requests"):

@@ -315,3 +315,61 @@ def test_training_can_start_from_an_existing_draft(setup):
     before, after = load_draft(start), load_draft(out)
     assert after.config.block_size == 3 and after.config.target_layer_ids == [0, 1, 2]
     assert not torch.equal(before.fc.weight, after.fc.weight)  # it trained
+
+
+def test_draft_layers_can_start_from_target_layers(setup):
+    from sglang_dspark.drafter.config import DraftConfigError
+
+    root, target = setup
+    trainer = Trainer(_cfg(root, target, "from_target", num_layers=2, init_layers_from_target=[3, 1]))
+    draft, tgt = trainer.drafter.layers, trainer.target.layers
+    for i, t in enumerate([3, 1]):
+        for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.down_proj.weight",
+                     "input_layernorm.weight"):  # fmt: skip
+            torch.testing.assert_close(
+                draft[i].get_parameter(name), tgt[t].get_parameter(name).float()
+            )
+    # q_norm / k_norm have no counterpart in a Llama target: they keep their init
+    assert torch.equal(draft[0].self_attn.q_norm.weight, torch.ones_like(draft[0].self_attn.q_norm.weight))
+    random_start = Trainer(_cfg(root, target, "random_start", num_layers=2)).drafter.layers
+    assert not torch.equal(random_start[0].mlp.up_proj.weight, draft[0].mlp.up_proj.weight)
+    with pytest.raises(DraftConfigError, match="one target layer index per draft layer"):
+        Trainer(_cfg(root, target, "bad1", num_layers=2, init_layers_from_target=[3]))
+    with pytest.raises(DraftConfigError, match="target layer 9 does not exist"):
+        Trainer(_cfg(root, target, "bad2", init_layers_from_target=[9]))
+
+
+def test_feature_store_shares_target_features_between_runs(setup, tmp_path):
+    """A second run on the same store never calls the target and ends with the weights of a
+    run without it; another capture list gets its own key; a corrupt file is recomputed."""
+    root, target = setup
+    store = tmp_path / "store"
+    results = {}
+    for name, kw in (("plain", {}), ("first", {"feature_store": str(store)}),
+                     ("second", {"feature_store": str(store)})):  # fmt: skip
+        trainer = Trainer(_cfg(root, target, f"fs-{name}", steps=4, checkpoint_every=100,
+                               feature_cache_gb=0.0, **kw))  # fmt: skip
+        calls = []
+
+        def counted(ids, *a, _calls=calls, _original=trainer.target.features, **k):
+            _calls.append(1)
+            return _original(ids, *a, **k)
+
+        trainer.target.features = counted
+        results[name] = (_weights(trainer.train().parent), len(calls))
+    assert results["first"][1] == results["plain"][1] > 0
+    assert results["second"][1] == 0
+    for name in ("first", "second"):
+        assert all(torch.equal(results[name][0][k], v) for k, v in results["plain"][0].items())
+    (key_dir,) = store.iterdir()
+    files = sorted(key_dir.glob("*.safetensors"))
+    assert len(files) == 16  # 4 steps x 4 sequences, all distinct at seed 7 over 24
+    files[0].write_bytes(b"not a safetensors file")
+    other = Trainer(_cfg(root, target, "fs-other", steps=1, target_layer_ids=[1, 2],
+                         feature_store=str(store)))  # fmt: skip
+    other.train()
+    assert len(list(store.iterdir())) == 2  # its own key
+    again = Trainer(_cfg(root, target, "fs-again", steps=4, checkpoint_every=100,
+                         feature_cache_gb=0.0, feature_store=str(store)))  # fmt: skip
+    again.train()
+    assert again._store.misses == 1 and again._store.hits == 15

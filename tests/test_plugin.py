@@ -22,7 +22,7 @@ PROBE = Path(__file__).parent / "probes" / "hooks.py"
 # What each hook's probe shows on an unmodified SGLang.
 UPSTREAM_FAILURE = {
     "cpu_engine_for_device_cpu": "resolved without SGLANG_USE_CPU_ENGINE=1",
-    "cpu_onednn_primitive_cache": "resolved with ONEDNN_PRIMITIVE_CACHE_CAPACITY=None",
+    "cpu_onednn_caches": "resolved with {'LRU_CACHE_CAPACITY': None, 'ONEDNN_PRIMITIVE",
     "cpu_scheduler_malloc_trim": "no heap trimmer before the CPU scheduler's event loop",
     "cpu_sgl_kernel_ops": "sgl_kernel op assign_req_to_token_pool_cpu is unavailable",
     "dspark_cpu_device_gate": "only supports CUDA, NPU or XPU",

@@ -247,14 +247,16 @@ def test_cpu_engine_is_set_for_a_cpu_device_and_a_contradiction_refused():
         ensure_cpu_engine("cpu", {"SGLANG_USE_CPU_ENGINE": "0"})
 
 
-def test_onednn_cache_is_capped_for_a_cpu_device_unless_set():
-    from sglang_dspark.plugin.cpu_memory import cap_onednn_cache
+def test_shape_caches_are_capped_for_a_cpu_device_unless_set():
+    from sglang_dspark.plugin.cpu_memory import cap_shape_caches
 
     env: dict[str, str] = {}
-    assert cap_onednn_cache("cpu", env) and env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}
+    assert cap_shape_caches("cpu", env) == ["LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert env == {"LRU_CACHE_CAPACITY": "16", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}
     explicit = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
-    assert not cap_onednn_cache("cpu", explicit) and explicit["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
-    assert not cap_onednn_cache("cuda", {}) and not cap_onednn_cache(None, {})
+    assert cap_shape_caches("cpu", explicit) == ["LRU_CACHE_CAPACITY"]
+    assert explicit == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "16"}
+    assert cap_shape_caches("cuda", {}) == [] and cap_shape_caches(None, {}) == []
 
 
 # ------------------------------------------------------------------------ real processes

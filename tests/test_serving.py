@@ -151,3 +151,33 @@ def test_embedded_server_memory_under_4gb(servers, embedded_paths, tokenizer):
     generate_many(server.base_url, prompt_ids, concurrency=8, max_new_tokens=32)
     pss = server.memory_pss_mb()
     assert 500 < pss < 4096, f"embedded server uses {pss:.0f} MB (PSS over its processes)"
+
+
+def test_compare_measures_the_served_tau_of_running_servers(servers, embedded_paths, tmp_path):
+    """`sglang-dspark compare --server-url`: the same prompts through the offline evaluator and
+    through SGLang serving DSPARK and the MTP-1 baseline; the plain server has no rounds."""
+    import argparse
+
+    from sglang_dspark.evaluation import compare
+
+    dspark = servers.get(embedded_paths)
+    mtp1 = servers.get(embedded_paths, arm="mtp1")
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args([
+        "--target", str(embedded_paths.target), "--out", str(tmp_path),
+        "--draft", f"dspark={embedded_paths.draft}", "--draft", f"mtp1={embedded_paths.mtp1_draft}",
+        "--server-url", f"dspark={dspark.base_url}", "--server-url", f"mtp1={mtp1.base_url}",
+        "--benchmarks", "gsm8k", "--limit", "2", "--max-new-tokens", "24", "--temperatures", "0",
+        "--no-progress",
+    ])  # fmt: skip
+    assert compare.run(args) == 0
+    rows = json.loads((tmp_path / "comparison.json").read_text())["rows"]
+    assert [r["benchmark"] for r in rows] == ["gsm8k", "all"]
+    for r in rows:
+        assert 1.0 <= r["server_tau"]["mtp1"] <= 2.0
+        assert 1.0 <= r["server_tau"]["dspark"] <= 8.0
+        assert 1.0 <= r["tau"]["mtp1"] <= 2.0 and 1.0 <= r["tau"]["dspark"] <= 8.0
+    plain = servers.get(embedded_paths, speculative=False)
+    served = compare.served_tau(plain.base_url, {"gsm8k": [[1, 2, 3]]}, [0.0], 8)
+    assert served == {"0": {"gsm8k": None, "all": None}}

@@ -56,6 +56,7 @@ from .data import (
     load_sequences,
     sample_anchor_split,
 )
+from .feature_store import FeatureStore, store_key
 from .loss import LogitGram, LossSums, LossWeights, combine, loss_sums, position_weights
 from .model import BlockLayout, DSparkDrafter, init_weights
 from .target import TargetAdapter, TargetFeatures, load_target_config
@@ -81,6 +82,9 @@ class TrainConfig:
     num_context_features: int | None = None  # m when target_layer_ids is not given
     mask_token_id: int | None = None
     init_draft: str | None = None  # start from an SGLang / DeepSpec draft directory
+    # A new drafter's layer i starts from target decoder layer init_layers_from_target[i]
+    # (every tensor whose name and shape agree; the rest keep their random init).
+    init_layers_from_target: list[int] | None = None
     # Data.
     max_length: int = 2048
     num_anchors: int = 64  # anchors (blocks) per sequence
@@ -108,6 +112,9 @@ class TrainConfig:
     # memory after its first use, so epochs after the first skip the target's forward.
     # Capped at this many GiB (0 = off); sequences beyond the cap are recomputed each time.
     feature_cache_gb: float = 8.0
+    # Directory of target features on disk shared by runs against the same target
+    # (feature_store.py): later runs, epochs and ablation arms skip the target's forward.
+    feature_store: str | None = None
     seed: int = 0
     # Bookkeeping.
     checkpoint_every: int = 100
@@ -304,6 +311,11 @@ class Trainer:
         self._gram = LogitGram(self.target.lm_head_weight) if cfg.mse_weight else None
         self._features: dict[int, TargetFeatures] = {}
         self._feature_bytes = 0
+        self._store = None
+        if cfg.feature_store:
+            key = store_key(cfg.target, cfg.target_dtype, self._target_layer_ids(),
+                            type(self).__name__)  # fmt: skip
+            self._store = FeatureStore(cfg.feature_store, key)
         self.step = 0
         if cfg.resume and self.ckpt_path.is_file():
             self._resume()
@@ -353,6 +365,8 @@ class Trainer:
         else:
             drafter = self._new_drafter()
             init_weights(drafter, seed=self.cfg.seed)
+            if self.cfg.init_layers_from_target:
+                copy_target_layers(drafter, self.target.layers, self.cfg.init_layers_from_target)
         if self.dist.world > 1:  # identical start on every rank
             for p in drafter.parameters():
                 dist.broadcast(p.data, src=0)
@@ -492,7 +506,10 @@ class Trainer:
         cached = self._features.get(seq.index)
         if cached is not None:
             return cached
-        feats = self._compute_features(seq.input_ids)
+        if self._store is not None:
+            feats = self._store.get(seq.input_ids, self._compute_features)
+        else:
+            feats = self._compute_features(seq.input_ids)
         size = (feats.context.numel() + feats.final_hidden.numel()) * feats.context.element_size()
         if seq.index >= 0 and self._feature_bytes + size <= self.cfg.feature_cache_gb * 2**30:
             feats = TargetFeatures(feats.context.clone(), feats.final_hidden.clone())
@@ -635,6 +652,40 @@ class Trainer:
         return out
 
 
+def copy_target_layers(
+    drafter: torch.nn.Module, target_layers: Sequence[torch.nn.Module], ids: Sequence[int]
+) -> list[str]:
+    """Draft layer i <- target layer ids[i], tensor by tensor where names and shapes agree
+    (a Llama target has no q_norm / k_norm: those keep their init). Returns the names copied;
+    refuses a count or index that does not fit, and a layer with nothing in common."""
+    layers = drafter.layers
+    if len(ids) != len(layers):
+        raise DraftConfigError(
+            f"init_layers_from_target names {len(ids)} target layers for {len(layers)} draft "
+            "layers; give one target layer index per draft layer"
+        )
+    copied = []
+    for i, t in enumerate(ids):
+        if not 0 <= int(t) < len(target_layers):
+            raise DraftConfigError(
+                f"init_layers_from_target: target layer {t} does not exist (the target has "
+                f"{len(target_layers)} layers, 0..{len(target_layers) - 1})"
+            )
+        source = target_layers[int(t)].state_dict()
+        own = layers[i].state_dict()
+        same = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+        if not same:
+            raise DraftConfigError(
+                f"target layer {t} shares no tensor (name and shape) with draft layer {i}"
+            )
+        with torch.no_grad():
+            for k, v in same.items():
+                own[k].copy_(v.to(own[k].dtype))
+        copied += [f"layers.{i}.{k}" for k in sorted(same)]
+    logger.info("draft layers initialised from target layers %s: %d tensors", list(ids), len(copied))
+    return copied
+
+
 # ---------------------------------------------------------------------------- CLI
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.replace(",", " ").split()]
@@ -651,6 +702,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=f.name, choices=DRAFTER_KINDS, help="default dspark")
         elif f.name == "target_layer_ids":
             parser.add_argument(flag, dest=f.name, type=_int_list, help="e.g. 1,8,15,22,27")
+        elif f.name == "init_layers_from_target":
+            parser.add_argument(flag, dest=f.name, type=_int_list,
+                                help="target layer per draft layer, e.g. 28,29")  # fmt: skip
         else:
             base_type = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
             kind = {"int": int, "float": float}.get(base_type, str)

@@ -14,7 +14,9 @@ so two drafters can be told apart on one run: an interval that holds 1.0 is a ti
 
 `--server` also serves every drafter with SGLang on CPU (the embedded default's launch, the
 `static` scheduler so that the whole block is verified) and reports the server's tau on the
-same prompts: (completion tokens - 1) / verify rounds per request, pooled.
+same prompts: (completion tokens - 1) / verify rounds, pooled;
+`--server-url NAME=URL` measures a server that already serves drafter NAME (then its own
+scheduler decides how much is verified).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import gc
 import json
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,14 @@ def parse_arm(text: str) -> Arm:
     if not name or not path:
         raise ValueError(f"--draft {text!r}: expected NAME=DIR, e.g. shipped=path/to/draft")
     return Arm(name, Path(path))
+
+
+def parse_url(text: str) -> tuple[str, str]:
+    """NAME=URL of a server already serving drafter NAME."""
+    name, sep, url = text.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise ValueError(f"--server-url {text!r}: expected NAME=http://HOST:PORT")
+    return name, url.rstrip("/")
 
 
 # ---------------------------------------------------------------------------- maths
@@ -180,46 +191,56 @@ def plot_table(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- serving
-def server_tau(
-    target: Path,
-    arm: Arm,
+SERVER_CONCURRENCY = 8
+
+
+def served_tau(
+    base_url: str,
     prompts: dict[str, list[list[int]]],
     temperatures: Sequence[float],
     max_new_tokens: int,
-    seed: int,
-    log_dir: Path,
 ) -> dict[str, dict[str, float | None]]:
-    """tau of one drafter served by SGLang (CPU, static scheduler) on the same prompts."""
-    from ..client import generate_many
+    """tau measured by a running SGLang server on the same prompts: (completion tokens - 1)
+    / verify rounds, pooled per benchmark and overall, per T. SGLang seeds sampling per
+    request only in deterministic-inference mode, so at T > 0 the draws are the server's own.
+
+    None where the server reports no verify rounds (it does not speculate)."""
+    from ..client import generate_ids
+
+    out: dict[str, dict[str, float | None]] = {}
+    for temp in temperatures:
+        cell: dict[str, float | None] = {}
+        total = [0, 0]
+        for bench, ids in prompts.items():
+            with ThreadPoolExecutor(SERVER_CONCURRENCY) as pool:
+                futures = [
+                    pool.submit(generate_ids, base_url, p, max_new_tokens=max_new_tokens,
+                                temperature=temp)
+                    for p in ids
+                ]  # fmt: skip
+                metas = [f.result()["meta_info"] for f in futures]
+            tokens = sum(int(m["completion_tokens"]) - 1 for m in metas)
+            rounds = sum(int(m.get("spec_verify_ct") or 0) for m in metas)
+            cell[bench] = tokens / rounds if rounds else None
+            total = [total[0] + tokens, total[1] + rounds]
+        cell[ALL] = total[0] / total[1] if total[1] else None
+        out[f"{temp:g}"] = cell
+    return out
+
+
+def start_server(target: Path, arm: Arm, log_dir: Path):
+    """The embedded CPU launch serving this drafter: DSPARK with the static scheduler (the
+    whole block verified: the drafter's tau, not the scheduler's), or the MTP-1 arm."""
     from ..embedded import EmbeddedPaths, launch_command, launch_env
     from ..server import SGLangServer, free_port
-    from .runner import is_mtp_draft, prompt_seed
+    from .runner import is_mtp_draft
 
     mtp = is_mtp_draft(arm.path)
     paths = EmbeddedPaths(target, arm.path, True, arm.path, True)
     port = free_port()
     cmd = launch_command(paths, port=port, arm="mtp1" if mtp else "dspark")
     env = launch_env(scheduler=None if mtp else "static")
-    out: dict[str, dict[str, float | None]] = {}
-    with SGLangServer(cmd, env, port, log_dir / f"server-{arm.name}.log") as srv:
-        for temp in temperatures:
-            pooled = [0, 0]
-            cell: dict[str, float | None] = {}
-            for bench, ids in prompts.items():
-                seeds = [prompt_seed(seed, bench, i, temp) for i in range(len(ids))]
-                got = [0, 0]
-                for s, p in zip(seeds, ids, strict=True):
-                    (resp,) = generate_many(srv.base_url, [p], concurrency=1,
-                                            max_new_tokens=max_new_tokens, temperature=temp,
-                                            sampling_seed=s)  # fmt: skip
-                    meta = resp["meta_info"]
-                    got[0] += int(meta["completion_tokens"]) - 1
-                    got[1] += int(meta.get("spec_verify_ct") or 0)
-                cell[bench] = got[0] / got[1] if got[1] else None
-                pooled = [pooled[0] + got[0], pooled[1] + got[1]]
-            cell[ALL] = pooled[0] / pooled[1] if pooled[1] else None
-            out[f"{temp:g}"] = cell
-    return out
+    return SGLangServer(cmd, env, port, log_dir / f"server-{arm.name}.log")
 
 
 # ---------------------------------------------------------------------------- the run
@@ -263,14 +284,23 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Path]:
         del target, proposer
         gc.collect()
 
+    urls = dict(parse_url(u) for u in args.server_url or [])
+    unknown = set(urls) - {a.name for a in arms}
+    if unknown:
+        raise ValueError(f"--server-url names {sorted(unknown)}, which no --draft names")
     server = None
-    if args.server:
+    if args.server or urls:
         server = {}
         for a in arms:
-            server[a.name] = server_tau(
-                Path(args.target), a, prompts, args.temperatures, args.max_new_tokens,
-                args.seed, out,
-            )  # fmt: skip
+            if a.name in urls:
+                server[a.name] = served_tau(
+                    urls[a.name], prompts, args.temperatures, args.max_new_tokens
+                )
+            elif args.server:
+                with start_server(Path(args.target), a, out) as srv:
+                    server[a.name] = served_tau(
+                        srv.base_url, prompts, args.temperatures, args.max_new_tokens
+                    )
     rows = comparison_table(records, args.temperatures, args.benchmarks, server, args.seed)
     table = format_table(rows)
     summary = {
@@ -320,6 +350,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server", action="store_true",
         help="also serve each drafter with SGLang on CPU (static scheduler) and report its tau",
+    )  # fmt: skip
+    parser.add_argument(
+        "--server-url", action="append", metavar="NAME=URL",
+        help="a running server for drafter NAME: its tau on the same prompts (repeat)",
     )  # fmt: skip
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 

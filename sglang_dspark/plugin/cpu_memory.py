@@ -1,4 +1,4 @@
-"""CPU serving memory: `cpu_scheduler_malloc_trim` and `cpu_onednn_primitive_cache`.
+"""CPU serving memory: `cpu_scheduler_malloc_trim` and `cpu_onednn_caches`.
 
 `cpu_scheduler_malloc_trim`: the CPU scheduler gives freed heap memory back to the system.
 
@@ -19,14 +19,17 @@ releases the GIL). The alternative, a fixed mmap threshold
 soak at 16 users it served 3.2x fewer tokens (0.134 against 0.043 CPU s per output token: every
 large per-step tensor becomes a fresh mmap with its page faults) and still grew.
 
-`cpu_onednn_primitive_cache`: oneDNN (torch's bf16 matmuls on CPU) keeps one JIT-compiled
-primitive per matmul shape, up to `ONEDNN_PRIMITIVE_CACHE_CAPACITY` (default 1024). Compact
-verify makes a new batch-token count almost every step, so on the CPU engine that cache is a
-slow leak of a few MB per finished request that trimming cannot return (trimmed soak: +149 MB
-over the second half of 10 minutes). When argument resolution reaches the CPU backends with the
-device `cpu` and the variable is unset, the launcher sets it to 16 before any SGLang process
-starts (they inherit it; oneDNN reads it once, at its first primitive). An explicit value is
-kept. Recorded in docs/measurements.md (paired soak).
+`cpu_onednn_caches`: torch's bf16 matmuls on CPU go through ideep and oneDNN, which keep one
+entry per matmul shape in two caches: ideep's computation cache (`LRU_CACHE_CAPACITY`) and
+oneDNN's primitive cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`), 1024 entries each by default.
+Compact verify makes a new batch-token count almost every step, so on the CPU engine both fill
+for hours: a slow leak of about 2.6 MB per finished request that trimming cannot return
+(10-minute soak at 16 users: +172 MB over the second half with both at 1024, +99 MB with
+oneDNN's at 16). A probe of 6000 bf16 matmuls at random M in 1..700 grew 324 MB with the
+defaults, 199 / 174 MB with one cache at 16, 19 MB with both. When argument resolution
+reaches the CPU backends with the device `cpu`, the launcher sets each variable that is unset
+to 16, before any SGLang process starts (they inherit them; both are read once, at the first
+matmul). An explicit value is kept. Recorded in docs/measurements.md (paired soaks).
 """
 
 from __future__ import annotations
@@ -109,34 +112,37 @@ def install() -> None:
     register_before("sglang.srt.managers.scheduler.Scheduler.run_event_loop", _before_event_loop)
 
 
-ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-ONEDNN_CACHE_CPU_DEFAULT = "16"
+# ideep's computation cache and oneDNN's primitive cache: one entry per matmul shape each.
+SHAPE_CACHE_ENVS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+SHAPE_CACHE_CPU_CAPACITY = "16"
 
 
-def cap_onednn_cache(device: str | None, environ: dict[str, str] | None = None) -> bool:
-    """Set oneDNN's primitive cache capacity for a CPU device when unset; True when set here."""
+def cap_shape_caches(device: str | None, environ: dict[str, str] | None = None) -> list[str]:
+    """For a CPU device, set each shape-cache capacity that is unset; returns those set here."""
     env = os.environ if environ is None else environ
-    if not str(device or "").startswith("cpu") or env.get(ONEDNN_CACHE_ENV, "").strip():
-        return False
-    env[ONEDNN_CACHE_ENV] = ONEDNN_CACHE_CPU_DEFAULT
-    return True
+    if not str(device or "").startswith("cpu"):
+        return []
+    unset = [name for name in SHAPE_CACHE_ENVS if not env.get(name, "").strip()]
+    for name in unset:
+        env[name] = SHAPE_CACHE_CPU_CAPACITY
+    return unset
 
 
-def _onednn_cache_for_cpu_device(server_args) -> None:
+def _shape_caches_for_cpu_device(server_args) -> None:
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    if cap_onednn_cache(resolving_view(server_args).device):
-        logger.info("sglang-dspark: --device cpu: %s=%s set for this launch (oneDNN keeps one "
-                    "kernel per matmul shape)", ONEDNN_CACHE_ENV, ONEDNN_CACHE_CPU_DEFAULT)  # fmt: skip
+    for name in cap_shape_caches(resolving_view(server_args).device):
+        logger.info("sglang-dspark: --device cpu: %s=%s set for this launch (one cache entry "
+                    "per matmul shape)", name, SHAPE_CACHE_CPU_CAPACITY)  # fmt: skip
 
 
-def install_onednn_cache() -> None:
+def install_shape_caches() -> None:
     register_before(
-        "sglang.srt.arg_groups.platform_hook.handle_cpu_backends", _onednn_cache_for_cpu_device
+        "sglang.srt.arg_groups.platform_hook.handle_cpu_backends", _shape_caches_for_cpu_device
     )
 
 
 HOOKS = {
     "cpu_scheduler_malloc_trim": install,
-    "cpu_onednn_primitive_cache": install_onednn_cache,
+    "cpu_onednn_caches": install_shape_caches,
 }

@@ -39,7 +39,7 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
     "sglang.kernels.ops.kvcache.cache_move.copy_all_layer_kv_cache_cpu": None,
     # cpu_scheduler_malloc_trim
     "sglang.srt.managers.scheduler.Scheduler.run_event_loop": "(self)",
-    # cpu_engine_for_device_cpu, cpu_onednn_primitive_cache
+    # cpu_engine_for_device_cpu, cpu_onednn_caches
     "sglang.srt.arg_groups.platform_hook.handle_cpu_backends": "(server_args)",
     "sglang.srt.utils.common.is_cpu": "()",
     "sglang.srt.arg_groups.overrides.resolving_view": "(server_args)",
@@ -128,7 +128,7 @@ DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
         "sglang.srt.utils.common.is_cpu",
         "sglang.srt.arg_groups.overrides.resolving_view",
     ),
-    "cpu_onednn_primitive_cache": ("sglang.srt.arg_groups.overrides.resolving_view",),
+    "cpu_onednn_caches": ("sglang.srt.arg_groups.overrides.resolving_view",),
     "dspark_cpu_device_gate": ("sglang.srt.arg_groups.speculative_hook.resolving_view",),
     "torch_native_draft_backend": (
         "sglang.srt.arg_groups.choices.DRAFT_ATTENTION_BACKEND_CHOICES",

@@ -97,24 +97,25 @@ def cpu_engine_for_device_cpu():
 
 
 @probe
-def cpu_onednn_primitive_cache():
+def cpu_onednn_caches():
     from sglang.srt.server_args import prepare_server_args
 
-    saved = os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
+    names = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
     try:
         args = prepare_server_args([
             "--model-path", os.environ["PROBE_TARGET"], "--device", "cpu",
             "--attention-backend", "torch_native",
         ])  # fmt: skip
         args.resolve_once()
-        capacity = os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+        capacity = {n: os.environ.get(n) for n in names}
     finally:
-        os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
-        if saved is not None:
-            os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = saved
-    assert capacity == "16", (
-        f"--device cpu resolved with ONEDNN_PRIMITIVE_CACHE_CAPACITY={capacity}: oneDNN keeps "
-        "up to 1024 kernels, one per verify batch shape"
+        for n in names:
+            os.environ.pop(n, None)
+        os.environ.update(saved)
+    assert capacity == dict.fromkeys(names, "16"), (
+        f"--device cpu resolved with {capacity}: ideep and oneDNN keep up to 1024 entries "
+        "each, one per verify batch shape"
     )
 
 
