@@ -3,8 +3,8 @@
     sglang-dspark compare --target DIR --draft shipped=DIR --draft new=DIR --out DIR \\
         [--limit 20] [--max-new-tokens 256] [--temperatures 1,0] [--server]
 
-Each drafter (DSpark, DFlash = DSpark without a Markov head, or an MTP-1 draft) runs the
-offline evaluator on the same prompts with the same per-prompt seeds (`runner.prompt_seed`).
+Each drafter (DSpark or an MTP-1 draft) runs the offline evaluator on the same prompts with
+the same per-prompt seeds (`runner.prompt_seed`).
 tau is tokens per verify round, bonus included, over the full block (no scheduler).
 Temperature 1 is the headline (the paper's), temperature 0 beside it.
 

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Paired drafter ablations: same data, steps and seed, one change per arm, one table.
+
+    python benchmarks/drafter_ablations.py --data DATA --out RUNS --steps 250 \\
+        --arms base,layers2,tinit,rank256,decay1.5
+
+Each arm trains `configs/smollm2-dspark.json` from scratch against the embedded SmolLM2 target
+with its one change (ARMS below); all arms share one disk feature store (`RUNS/features`), so
+the target's forward over each sequence is paid once for the whole ablation. Arms that have
+finished (`RUNS/<arm>/draft/config.json`) are not retrained; an interrupted arm resumes from
+its last checkpoint. Then `sglang-dspark compare` runs every arm on the same prompts and seeds
+(tau at temperature 1 and 0, the ratio to the first arm with a paired bootstrap interval) and
+writes `RUNS/compare/comparison.{md,json,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "smollm2-dspark.json"
+
+# One change each against the shipped recipe's shape (configs/smollm2-dspark.json).
+ARMS: dict[str, list[str]] = {
+    "base": [],
+    "layers2": ["--num-layers", "2"],
+    "layers3": ["--num-layers", "3"],
+    "tinit": ["--init-layers-from-target", "29"],  # the draft layer starts as the target's last
+    "rank256": ["--markov-rank", "256"],
+    "decay1.5": ["--decay", "1.5"],
+    "decay7": ["--decay", "7"],  # = gamma
+    "anchors96": ["--num-anchors", "96"],
+}
+
+
+def run(cmd: list[str], env_threads: int) -> None:
+    import os
+
+    print("+", shlex.join(cmd), flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(env_threads), "THP_MEM_ALLOC_ENABLE": "1"}
+    subprocess.run(cmd, check=True, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="training data (JSONL file or directory)")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--arms", default="base,layers2,tinit,rank256",
+                        help=f"comma-separated, first = reference; known: {', '.join(ARMS)}")
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=20, help="prompts per benchmark")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+
+    from sglang_dspark.smollm2 import ensure_smollm2
+
+    target = ensure_smollm2()
+    cli = [sys.executable, "-m", "sglang_dspark.cli"]
+    store = args.out / "features"
+    for arm in arms:
+        out = args.out / arm
+        if (out / "draft" / "config.json").is_file():
+            print(f"{arm}: trained ({out / 'draft'})", flush=True)
+            continue
+        run([*cli, "train", "--config", str(CONFIG), "--data", args.data, "--target", str(target),
+             "--out-dir", str(out), "--steps", str(args.steps), "--seed", str(args.seed),
+             "--checkpoint-every", "25", "--feature-store", str(store), "--no-progress",
+             *ARMS[arm]], args.threads)  # fmt: skip
+    drafts = [x for a in arms for x in ("--draft", f"{a}={args.out / a / 'draft'}")]
+    run([*cli, "compare", "--target", str(target), *drafts, "--out", str(args.out / "compare"),
+         "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
+         "--temperatures", "1,0"], args.threads)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
