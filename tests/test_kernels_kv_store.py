@@ -5,44 +5,12 @@ the torch reference on a ragged verify batch; on a GPU also with SGLang's
 `fused_k_norm_rope_flashmla`.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-try:
-    import dspark_kernels  # noqa: F401
-except ImportError:  # `pip install -e .` puts kernels/ on the path; before that, do it here
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from dspark_kernels import kv_layout, kv_store, rotation
+from kernel_interpreter import DEVICE, direct, interpreter_test, needs_gpu
 
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
-# On CPU the kernels run in Triton's interpreter. It has to be on when Triton is first imported
-# (Triton's own library functions, `tl.sum`, `tl.sort`, ..., are defined then), which a pytest
-# process running other tests cannot promise. So unless TRITON_INTERPRET=1 is set, these tests
-# run in a child pytest started with it (test_in_triton_interpreter) and are skipped here.
-DIRECT = GPU or os.environ.get("TRITON_INTERPRET") == "1"
-direct = pytest.mark.skipif(not DIRECT, reason="runs in the TRITON_INTERPRET=1 child process")
-needs_gpu = pytest.mark.skipif(
-    not GPU, reason="compares with SGLang's CUDA kernels: needs a CUDA GPU, none on this machine"
-)
-
-
-@pytest.mark.skipif(DIRECT, reason="the kernels run in this process")
-def test_in_triton_interpreter(pytestconfig):
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    if pytestconfig.getoption("markexpr"):
-        cmd += ["-m", pytestconfig.getoption("markexpr")]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parent, check=False
-    )
-    # 5: every test deselected by the -m expression
-    assert child.returncode in (0, 5), child.stdout[-6000:] + child.stderr[-3000:]
+test_in_triton_interpreter = interpreter_test(__file__)
 
 
 PAGE = 256
