@@ -34,6 +34,7 @@ ARMS: dict[str, list[str]] = {
     "decay1.5": ["--decay", "1.5"],
     "decay7": ["--decay", "7"],  # = gamma
     "anchors96": ["--num-anchors", "96"],
+    "dflash": ["--dflash"],  # the paper's DFlash baseline: no Markov bias (B_k = 0)
 }
 
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=20, help="prompts per benchmark")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperatures", default="1,0")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     drafts = [x for a in arms for x in ("--draft", f"{a}={args.out / a / 'draft'}")]
     run([*cli, "compare", "--target", str(target), *drafts, "--out", str(args.out / "compare"),
          "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-         "--temperatures", "1,0"], args.threads)  # fmt: skip
+         "--temperatures", args.temperatures], args.threads)  # fmt: skip
     return 0
 
 

@@ -339,6 +339,36 @@ def test_draft_layers_can_start_from_target_layers(setup):
         Trainer(_cfg(root, target, "bad2", init_layers_from_target=[9]))
 
 
+def test_dflash_holds_the_markov_bias_at_zero_through_training_and_resume(setup):
+    """The DFlash baseline trains the backbone (and the confidence head's W1) while B_k stays
+    exactly 0, also after an interruption; its export is a DSpark draft whose Markov head adds
+    nothing, so SGLang serves the backbone's drafts alone. MTP-1 has no head to switch off."""
+    from sglang_dspark.drafter.checkpoint import load_draft
+    from sglang_dspark.drafter.config import DraftConfigError
+
+    root, target = setup
+    Trainer(_cfg(root, target, "dflash", dflash=True, stop_after=4)).train()  # interrupted
+    trainer = Trainer(_cfg(root, target, "dflash", dflash=True))
+    assert trainer.step == 3  # resumed from the step-3 checkpoint
+    assert not trainer.drafter.markov_head.markov_w2.weight.requires_grad
+    out = trainer.train()
+    weights = _weights(out.parent)
+    assert torch.count_nonzero(weights["markov_head.markov_w2.weight"]) == 0
+    dspark = _weights(Trainer(_cfg(root, target, "dflash-ref")).train().parent)
+    assert torch.count_nonzero(dspark["markov_head.markov_w2.weight"]) > 0
+    for name in ("fc.weight", "markov_head.markov_w1.weight"):  # both still train
+        assert not torch.equal(weights[name], dspark[name])
+    drafter = load_draft(out, target_config=trainer.target.config)
+    drafter.attach_shared(trainer.target.embed_weight, trainer.target.lm_head_weight)
+    hidden = torch.randn(2, 4, drafter.config.hidden_size)
+    prev = torch.randint(0, 256, (2, 4))
+    torch.testing.assert_close(drafter.draft_logits(hidden, prev), drafter.base_logits(hidden))
+    with pytest.raises(DraftConfigError, match="MTP-1 has none"):
+        from sglang_dspark.drafter.train import build_trainer
+
+        build_trainer(_cfg(root, target, "dflash-mtp", drafter="mtp", dflash=True))
+
+
 def test_feature_store_shares_target_features_between_runs(setup, tmp_path):
     """A second run on the same store never calls the target and ends with the weights of a
     run without it; another capture list gets its own key; a corrupt file is recomputed."""

@@ -78,6 +78,10 @@ class TrainConfig:
     num_layers: int = 1
     markov_rank: int = 256
     markov_head_type: str = "vanilla"
+    # DFlash baseline (the paper's Table 1): the Markov bias B_k is held at 0 (markov_w2 zeroed
+    # and frozen), so drafts come from the parallel backbone alone. The export is still a valid
+    # DSpark draft (SGLang requires a Markov head) and serves exactly as DFlash would.
+    dflash: bool = False
     target_layer_ids: list[int] | None = None  # default: 5 spread ids, see config.py
     num_context_features: int | None = None  # m when target_layer_ids is not given
     mask_token_id: int | None = None
@@ -367,6 +371,8 @@ class Trainer:
             init_weights(drafter, seed=self.cfg.seed)
             if self.cfg.init_layers_from_target:
                 copy_target_layers(drafter, self.target.layers, self.cfg.init_layers_from_target)
+        if self.cfg.dflash:
+            disable_markov_bias(drafter)
         if self.dist.world > 1:  # identical start on every rank
             for p in drafter.parameters():
                 dist.broadcast(p.data, src=0)
@@ -650,6 +656,17 @@ class Trainer:
         if self.dist.world > 1:
             dist.barrier()
         return out
+
+
+def disable_markov_bias(drafter: torch.nn.Module) -> None:
+    """DFlash: B_k = W2 z_k is 0 for every head type once W2 is 0; W2 is then frozen. W1 still
+    trains through the confidence head, which reads W1[x_{k-1}]."""
+    head = getattr(drafter, "markov_head", None)
+    if head is None:
+        raise DraftConfigError("dflash applies to DSpark drafters (a Markov head to switch off)")
+    with torch.no_grad():
+        head.markov_w2.weight.zero_()
+    head.markov_w2.weight.requires_grad_(False)
 
 
 def copy_target_layers(

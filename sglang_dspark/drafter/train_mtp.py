@@ -78,6 +78,8 @@ class MtpTrainer(Trainer):
         cfg = self.cfg
         if cfg.drafter != self.kind:
             raise DraftConfigError(f"MtpTrainer needs drafter='mtp', got {cfg.drafter!r}")
+        if cfg.dflash:
+            raise DraftConfigError("dflash switches off a DSpark Markov head; MTP-1 has none.")
         if cfg.mse_weight or cfg.dense_anchors:
             raise DraftConfigError(
                 "mse_weight / dense_anchors are DSpark-only (the MSE term reads the Markov "
