@@ -35,6 +35,7 @@ ARMS: dict[str, list[str]] = {
     "decay7": ["--decay", "7"],  # = gamma
     "anchors96": ["--num-anchors", "96"],
     "dflash": ["--dflash"],  # the paper's DFlash baseline: no Markov bias (B_k = 0)
+    "topk64": ["--target-topk", "64"],  # the target's top-64 + one bucket instead of its logits
 }
 
 

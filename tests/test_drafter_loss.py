@@ -165,3 +165,54 @@ def test_logit_gram_mse_gradient_reaches_w2():
     w2 = torch.randn(30, 3, generator=gen, requires_grad=True)
     LogitGram(lm).mse(torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen), w2).sum().backward()
     assert w2.grad is not None and w2.grad.abs().sum() > 0
+
+
+def _reference_bucketed_tv(draft, target_logits, k):
+    """Autograd reference of the top-k TV: S = the target's k most likely tokens, the rest of
+    the vocabulary one bucket."""
+    p_d, p_t = torch.softmax(draft.double(), -1), torch.softmax(target_logits.double(), -1)
+    ids = p_t.topk(k, dim=-1).indices
+    pd_s, pt_s = p_d.gather(-1, ids), p_t.gather(-1, ids)
+    q_out, p_out = 1 - pd_s.sum(-1), 1 - pt_s.sum(-1)
+    return (pd_s - pt_s).abs().sum(-1) + (q_out - p_out).abs(), q_out, p_out
+
+
+def test_top_k_tv_is_the_bucketed_bound_with_its_exact_gradient(monkeypatch):
+    """The top-k TV/CE equals an autograd reference of the bucketed TV (values and gradients,
+    over several chunks); it is a lower bound of the full TV, low by at most 2 min(Q_out,
+    P_out); CE is unchanged; with k = V it is the full TV exactly."""
+    from sglang_dspark.drafter import loss as loss_mod
+    from sglang_dspark.drafter.loss import TargetTopK
+
+    monkeypatch.setattr(loss_mod, "_CHUNK_ROWS", 3)
+    gen = torch.Generator().manual_seed(2)
+    vocab, k = 13, 4
+    draft = torch.randn(4, 2, vocab, generator=gen, dtype=torch.float64) * 2
+    target = torch.randn(4, 2, vocab, generator=gen, dtype=torch.float64) * 2
+    labels = torch.randint(0, vocab, (4, 2), generator=gen)
+    w_tv = torch.rand(4, 2, generator=gen, dtype=torch.float64)
+    w_ce = torch.rand(4, 2, generator=gen, dtype=torch.float64)
+
+    top = TargetTopK.from_logits(target, k)
+    assert top.ids.shape == (4, 2, k) and top.ids.dtype == torch.int32
+    a = draft.clone().requires_grad_(True)
+    tv, ce = loss_mod.tv_ce(a, top, labels)
+    ((tv * w_tv).sum() + (ce * w_ce).sum()).backward()
+
+    b = draft.clone().requires_grad_(True)
+    tv_ref, q_out, p_out = _reference_bucketed_tv(b, target, k)
+    ce_ref = _reference_tv_ce(b, target, labels)[1]
+    ((tv_ref * w_tv).sum() + (ce_ref * w_ce).sum()).backward()
+    torch.testing.assert_close(tv.double(), tv_ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ce.double(), ce_ref.detach().double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+    full_tv = loss_mod.tv_ce(draft, target, labels)[0].double()
+    slack = 2 * torch.minimum(q_out, p_out).detach()
+    assert (tv.double() <= full_tv + 1e-6).all()
+    assert (tv.double() >= full_tv - slack - 1e-6).all()
+    assert (full_tv - tv.double()).max() > 1e-3  # the bound is not trivially exact here
+
+    everything = TargetTopK.from_logits(target, vocab)
+    torch.testing.assert_close(loss_mod.tv_ce(draft, everything, labels)[0], full_tv.float(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip

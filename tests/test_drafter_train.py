@@ -369,6 +369,35 @@ def test_dflash_holds_the_markov_bias_at_zero_through_training_and_resume(setup)
         build_trainer(_cfg(root, target, "dflash-mtp", drafter="mtp", dflash=True))
 
 
+def test_target_top_k_supervision(setup, tmp_path):
+    """With the target's top-k (k = the whole vocabulary) a run ends where the full-logit run
+    does; with a small k the steps never call the target's LM head (its top-k comes with the
+    features, once per sequence) and the loss still falls; the store keeps the top-k apart."""
+    root, target = setup
+    full = _weights(Trainer(_cfg(root, target, "topk-ref", feature_cache_gb=1.0)).train().parent)
+    vocab = Trainer(_cfg(root, target, "topk-probe", steps=1)).draft_config.vocab_size
+    exact = Trainer(_cfg(root, target, "topk-all", target_topk=vocab, feature_cache_gb=1.0))
+    weights = _weights(exact.train().parent)
+    for name, value in full.items():
+        torch.testing.assert_close(weights[name], value, rtol=2e-3, atol=2e-5)
+
+    store = tmp_path / "store"
+    trainer = Trainer(_cfg(root, target, "topk-8", target_topk=8, steps=12, checkpoint_every=100,
+                           feature_store=str(store)))  # fmt: skip
+    calls = []
+    original = trainer.target.logits
+    trainer.target.logits = lambda h: calls.append(h.shape[0]) or original(h)
+    trainer.train()
+    first = [json.loads(line) for line in (root / "topk-8" / "metrics.jsonl").open()]
+    assert first[-1]["loss"] < first[0]["loss"]
+    assert len(calls) == trainer._store.misses  # one full-sequence call per computed sequence
+    (key_dir,) = store.iterdir()
+    stored = load_file(str(next(key_dir.iterdir())))
+    assert stored["topk_ids"].shape[-1] == 8 and stored["topk_logp"].shape == stored["topk_ids"].shape
+    with pytest.raises(Exception, match="target_topk is -1"):
+        Trainer(_cfg(root, target, "topk-bad", target_topk=-1))
+
+
 def test_feature_store_shares_target_features_between_runs(setup, tmp_path):
     """A second run on the same store never calls the target and ends with the weights of a
     run without it; another capture list gets its own key; a corrupt file is recomputed."""

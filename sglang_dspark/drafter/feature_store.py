@@ -7,7 +7,8 @@ arm; with a store (`--feature-store DIR`) the first run writes them and every la
 epoch or arm reads them back.
 
 Layout: `DIR/<key>/<sha256 of the token ids>.safetensors` holding `context` and
-`final_hidden`. `<key>` hashes everything the features depend on: the target's resolved path,
+`final_hidden` (and `topk_ids` / `topk_logp` when the trainer supervises with the target's
+top-k: the kind then names k). `<key>` hashes everything the features depend on: the target's resolved path,
 its config.json, the sizes and mtimes of its weight files, the dtype, the capture list and the
 feature kind (a DSpark trainer's layer outputs, or the MTP trainer's final hidden state only).
 Files are written to a temporary name and renamed, so a killed run leaves no half file; an
@@ -73,7 +74,9 @@ class FeatureStore:
         if path.is_file():
             try:
                 t = load_file(str(path))
-                feats = TargetFeatures(t["context"], t["final_hidden"])
+                feats = TargetFeatures(
+                    t["context"], t["final_hidden"], t.get("topk_ids"), t.get("topk_logp")
+                )
                 if feats.final_hidden.shape[0] == input_ids.numel():
                     self.hits += 1
                     return feats
@@ -82,9 +85,6 @@ class FeatureStore:
         self.misses += 1
         feats = compute(input_ids)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file(
-            {"context": feats.context.contiguous(), "final_hidden": feats.final_hidden.contiguous()},
-            str(tmp),
-        )
+        save_file({k: v.contiguous() for k, v in feats.tensors().items()}, str(tmp))
         os.replace(tmp, path)
         return feats

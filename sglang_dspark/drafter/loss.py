@@ -27,6 +27,17 @@ vocabulary-sized tensor at all. t_k is the target's final normed hidden state at
 position, z_k the Markov head's rank-r code (B_k = W2 z_k). Its cost per block is a small
 fraction of TV/CE's, so it can supervise many more blocks per step ("dense anchors").
 
+Top-k targets (``TargetTopK``, the trainer's ``target_topk``): instead of the target's logits
+over the whole vocabulary at every step, its k most likely tokens S and their log-probabilities
+(under the full softmax, computed once per sequence with its features). The rest of the
+vocabulary is one bucket of target mass P_out = 1 - p_t(S) and draft mass Q_out = 1 - p_d(S):
+
+    TV_k ~ sum_{v in S} |p_d(v) - p_t(v)| + |Q_out - P_out|
+
+a lower bound of the full TV, low by at most 2 min(Q_out, P_out) (exact when P_out = 0). The
+gradient keeps the closed form above with s(v) = sign(Q_out - P_out) outside S. A step then
+needs no target LM head and no softmax of the target.
+
 Terms are returned as sums so that data-parallel ranks and micro-batches can share one
 global normaliser (sum of w_k over the global batch): the gradient then does not depend on
 how the batch was split.
@@ -125,30 +136,112 @@ class _TvCe(torch.autograd.Function):
         return grad, None, None
 
 
+@dataclass(frozen=True)
+class TargetTopK:
+    """The target's distribution at some positions as its k most likely tokens: ids [..., k]
+    and their log-probabilities logp [..., k] under the full softmax (mass <= 1)."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, k: int, *, chunk_rows: int = 256) -> TargetTopK:
+        """Top-k of log_softmax(logits) over the last dim, a chunk of rows at a time."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        ids, logp = [], []
+        for i in range(0, flat.shape[0], chunk_rows):
+            v, j = torch.log_softmax(flat[i : i + chunk_rows].float(), dim=-1).topk(k, dim=-1)
+            ids.append(j.to(torch.int32))
+            logp.append(v)
+        lead = (*logits.shape[:-1], k)
+        if not ids:
+            return cls(flat.new_zeros(lead, dtype=torch.int32), flat.new_zeros(lead).float())
+        return cls(torch.cat(ids).view(lead), torch.cat(logp).view(lead))
+
+    def __getitem__(self, index) -> TargetTopK:
+        return TargetTopK(self.ids[index], self.logp[index])
+
+
+def _bucket_terms(log_pd: torch.Tensor, ids: torch.Tensor, logp_t: torch.Tensor):
+    """Per row: p_d on S, p_t on S, and the sign of (Q_out - P_out) for the rest."""
+    pd_s = log_pd.gather(-1, ids).exp()
+    pt_s = logp_t.float().exp()
+    q_out = (1.0 - pd_s.sum(-1, keepdim=True)).clamp_min(0.0)
+    p_out = (1.0 - pt_s.sum(-1, keepdim=True)).clamp_min(0.0)
+    return pd_s, pt_s, q_out, p_out
+
+
+class _TvCeTopK(torch.autograd.Function):
+    """(TV over S plus one bucket, CE) per row of draft logits z [N, V] against the target's
+    top-k ids / log-probabilities [N, k]. Gradient flows to z only."""
+
+    @staticmethod
+    def forward(ctx, z, ids, logp_t, labels):  # type: ignore[override]
+        n = z.shape[0]
+        tv = torch.empty(n, dtype=torch.float32, device=z.device)
+        ce = torch.empty(n, dtype=torch.float32, device=z.device)
+        for i in range(0, n, _CHUNK_ROWS):
+            sl = slice(i, i + _CHUNK_ROWS)
+            log_pd = torch.log_softmax(z[sl].float(), dim=-1)
+            pd_s, pt_s, q_out, p_out = _bucket_terms(log_pd, ids[sl], logp_t[sl])
+            tv[sl] = (pd_s - pt_s).abs().sum(-1) + (q_out - p_out).abs().squeeze(-1)
+            ce[sl] = -log_pd.gather(-1, labels[sl, None]).squeeze(-1)
+        ctx.save_for_backward(z, ids, logp_t, labels)
+        return tv, ce
+
+    @staticmethod
+    def backward(ctx, g_tv, g_ce):  # type: ignore[override]
+        z, ids, logp_t, labels = ctx.saved_tensors
+        n = z.shape[0]
+        g_tv = torch.zeros(n, device=z.device) if g_tv is None else g_tv.float()
+        g_ce = torch.zeros(n, device=z.device) if g_ce is None else g_ce.float()
+        grad = torch.empty_like(z)
+        for i in range(0, n, _CHUNK_ROWS):
+            sl = slice(i, i + _CHUNK_ROWS)
+            log_pd = torch.log_softmax(z[sl].float(), dim=-1)
+            p_d = log_pd.exp()
+            pd_s, pt_s, q_out, p_out = _bucket_terms(log_pd, ids[sl], logp_t[sl])
+            sign = torch.sign(q_out - p_out).expand_as(p_d).clone()
+            sign.scatter_(-1, ids[sl], torch.sign(pd_s - pt_s))
+            dot = (p_d * sign).sum(dim=-1, keepdim=True)
+            g = p_d * (g_tv[sl, None] * (sign - dot) + g_ce[sl, None])
+            g.scatter_add_(-1, labels[sl, None], -g_ce[sl, None])
+            grad[sl] = g.to(grad.dtype)
+        return grad, None, None, None
+
+
 def tv_ce(
-    draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor
+    draft_logits: torch.Tensor,
+    target: torch.Tensor | TargetTopK,
+    labels: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """||softmax(draft) - softmax(target)||_1 and -log softmax(draft)[label] over the last
-    dim; leading dims are kept. Memory: one chunk of rows in fp32, not the whole batch."""
+    """||softmax(draft) - p_t||_1 and -log softmax(draft)[label] over the last dim; leading
+    dims are kept. ``target``: the target's logits [..., V], or its top-k (the TV is then the
+    bucketed lower bound, see the module docstring). Memory: one chunk of rows in fp32."""
     lead, vocab = draft_logits.shape[:-1], draft_logits.shape[-1]
-    tv, ce = _TvCe.apply(
-        draft_logits.reshape(-1, vocab),
-        target_logits.reshape(-1, vocab),
-        labels.reshape(-1).long(),
-    )
+    z = draft_logits.reshape(-1, vocab)
+    flat_labels = labels.reshape(-1).long()
+    if isinstance(target, TargetTopK):
+        k = target.ids.shape[-1]
+        tv, ce = _TvCeTopK.apply(
+            z, target.ids.reshape(-1, k).long(), target.logp.reshape(-1, k), flat_labels
+        )
+    else:
+        tv, ce = _TvCe.apply(z, target.reshape(-1, vocab), flat_labels)
     return tv.view(lead), ce.view(lead)
 
 
 def loss_sums(
     draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | TargetTopK,
     labels: torch.Tensor,
     valid: torch.Tensor,
     confidence_logits: torch.Tensor | None,
     *,
     decay: float,
 ) -> LossSums:
-    """draft_logits / target_logits [N, gamma, V]; labels, valid, confidence_logits [N, gamma]."""
+    """draft_logits / target_logits [N, gamma, V] (or the target's top-k [N, gamma, k]);
+    labels, valid, confidence_logits [N, gamma]."""
     gamma = draft_logits.shape[1]
     w = position_weights(gamma, decay, draft_logits.device) * valid.float()  # [N, gamma]
     tv, ce = tv_ce(draft_logits, target_logits, labels)  # ||p_d - p_t||_1, -log p_d(x)

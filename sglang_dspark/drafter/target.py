@@ -38,6 +38,23 @@ class TargetFeatures:
 
     context: torch.Tensor
     final_hidden: torch.Tensor
+    # The target's top-k ids [S, k] and log-probabilities [S, k] at every position, when the
+    # trainer supervises with them (TrainConfig.target_topk); None otherwise.
+    topk_ids: torch.Tensor | None = None
+    topk_logp: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name (what the feature store writes and the cache counts)."""
+        out = {"context": self.context, "final_hidden": self.final_hidden}
+        if self.topk_ids is not None:
+            out["topk_ids"], out["topk_logp"] = self.topk_ids, self.topk_logp
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def clone(self) -> TargetFeatures:
+        return TargetFeatures(**{k: v.clone() for k, v in self.tensors().items()})
 
 
 class TargetAdapter:

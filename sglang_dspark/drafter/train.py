@@ -57,7 +57,15 @@ from .data import (
     sample_anchor_split,
 )
 from .feature_store import FeatureStore, store_key
-from .loss import LogitGram, LossSums, LossWeights, combine, loss_sums, position_weights
+from .loss import (
+    LogitGram,
+    LossSums,
+    LossWeights,
+    TargetTopK,
+    combine,
+    loss_sums,
+    position_weights,
+)
 from .model import BlockLayout, DSparkDrafter, init_weights
 from .target import TargetAdapter, TargetFeatures, load_target_config
 
@@ -110,6 +118,11 @@ class TrainConfig:
     conf_weight: float = 1.0
     decay: float = 4.0  # w_k = exp(-(k-1)/decay)
     mse_weight: float = 0.0  # centred-logit MSE on every block (full and dense)
+    # Supervise TV/CE with the target's k most likely tokens per position (computed once per
+    # sequence with its features, kept in the feature cache / store) and the rest of the
+    # vocabulary as one bucket, instead of the target's full logits every step (loss.py).
+    # 0 = full logits. A step then runs no target LM head and no target softmax.
+    target_topk: int = 0
     precision: str = "auto"  # auto (bf16 autocast where the CPU has bf16), bf16, fp32
     target_dtype: str = "float32"
     # Keep each sequence's target features (context + final hidden, in target_dtype) in
@@ -231,7 +244,7 @@ class _MicroBatch:
     prev_tokens: torch.Tensor  # [B, gamma]
     valid: torch.Tensor  # [B, gamma]
     is_full: torch.Tensor  # [B] bool: full loss (TV/CE/CONF) vs dense MSE only
-    target_logits: torch.Tensor | None  # [B_full, gamma, V]
+    target_logits: torch.Tensor | TargetTopK | None  # [B_full, gamma, V] (or [.., k] top-k)
     target_hidden: torch.Tensor | None  # [B, gamma, H] (only with the MSE term)
 
 
@@ -317,8 +330,8 @@ class Trainer:
         self._feature_bytes = 0
         self._store = None
         if cfg.feature_store:
-            key = store_key(cfg.target, cfg.target_dtype, self._target_layer_ids(),
-                            type(self).__name__)  # fmt: skip
+            kind = type(self).__name__ + (f"+top{cfg.target_topk}" if cfg.target_topk else "")
+            key = store_key(cfg.target, cfg.target_dtype, self._target_layer_ids(), kind)
             self._store = FeatureStore(cfg.feature_store, key)
         self.step = 0
         if cfg.resume and self.ckpt_path.is_file():
@@ -327,6 +340,8 @@ class Trainer:
     # -------------------------------------------------------------- setup (drafter hooks)
     def _check_loss_options(self) -> None:
         cfg = self.cfg
+        if cfg.target_topk < 0:
+            raise DraftConfigError(f"target_topk is {cfg.target_topk}; use 0 (off) or k > 0")
         if cfg.dense_anchors and not cfg.mse_weight:
             raise DraftConfigError(
                 f"dense_anchors={cfg.dense_anchors} needs mse_weight > 0: dense blocks are "
@@ -454,6 +469,7 @@ class Trainer:
         """Run the target and pack every block of ``items`` into one drafter layout: each
         sequence's full-loss blocks, then its dense (MSE-only) blocks."""
         ctx, finals, ctx_pos, lo, hi, tpos, full_tpos, is_full = [], [], [], [], [], [], [], []
+        top_ids, top_logp = [], []
         targets: list[BlockTargets] = []
         offset = 0
         for seq, bt, dense in items:
@@ -463,6 +479,9 @@ class Trainer:
             S = seq.input_ids.numel()
             ctx.append(feats.context)
             finals.append(feats.final_hidden)
+            if self.cfg.target_topk:
+                top_ids.append(feats.topk_ids)
+                top_logp.append(feats.topk_logp)
             ctx_pos.append(torch.arange(S))
             for part, full in ((bt, True), (dense, False)):
                 if part.anchors.numel() == 0:
@@ -493,7 +512,10 @@ class Trainer:
         )
         final = torch.cat(finals)
         target_logits = None
-        if full_tpos:
+        if full_tpos and self.cfg.target_topk:
+            rows = torch.cat(full_tpos)
+            target_logits = TargetTopK(torch.cat(top_ids)[rows], torch.cat(top_logp)[rows])
+        elif full_tpos:
             with torch.no_grad():  # hidden-state communication: LM head only where needed
                 target_logits = self.target.logits(final[torch.cat(full_tpos)])
         return _MicroBatch(
@@ -516,15 +538,22 @@ class Trainer:
             feats = self._store.get(seq.input_ids, self._compute_features)
         else:
             feats = self._compute_features(seq.input_ids)
-        size = (feats.context.numel() + feats.final_hidden.numel()) * feats.context.element_size()
+        size = feats.nbytes()
         if seq.index >= 0 and self._feature_bytes + size <= self.cfg.feature_cache_gb * 2**30:
-            feats = TargetFeatures(feats.context.clone(), feats.final_hidden.clone())
+            feats = feats.clone()
             self._features[seq.index] = feats
             self._feature_bytes += size
         return feats
 
     def _compute_features(self, input_ids: torch.Tensor) -> TargetFeatures:
-        return self.target.features(input_ids)
+        feats = self.target.features(input_ids)
+        if self.cfg.target_topk:
+            with torch.no_grad():
+                top = TargetTopK.from_logits(
+                    self.target.logits(feats.final_hidden), self.cfg.target_topk
+                )
+            feats.topk_ids, feats.topk_logp = top.ids, top.logp
+        return feats
 
     def train_step(self) -> StepStats:
         cfg = self.cfg

@@ -78,6 +78,10 @@ class MtpTrainer(Trainer):
         cfg = self.cfg
         if cfg.drafter != self.kind:
             raise DraftConfigError(f"MtpTrainer needs drafter='mtp', got {cfg.drafter!r}")
+        if cfg.target_topk:
+            raise DraftConfigError(
+                "target_topk is implemented for the DSpark trainer only; use 0 with --drafter mtp."
+            )
         if cfg.dflash:
             raise DraftConfigError("dflash switches off a DSpark Markov head; MTP-1 has none.")
         if cfg.mse_weight or cfg.dense_anchors:
