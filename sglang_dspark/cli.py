@@ -35,6 +35,13 @@ def _cmd_setup_smollm2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_setup_tiny_v4(args: argparse.Namespace) -> int:
+    from sglang_dspark.v4.tiny import build_tiny_v4
+
+    print(build_tiny_v4(args.out, seed=args.seed, with_draft=not args.no_draft, force=args.force))
+    return 0
+
+
 def _cmd_embedded(args: argparse.Namespace) -> int:
     from sglang_dspark import embedded
 
@@ -68,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output dir (default: the cache)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.set_defaults(func=_cmd_setup_smollm2)
+
+    p = sub.add_parser(
+        "setup-tiny-v4",
+        help="build a tiny DeepSeek-V4 checkpoint with a bundled DSpark draft (random weights)",
+    )
+    p.add_argument("--out", default=None, help="output dir (default: the cache)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--no-draft", action="store_true", help="leave out the DSpark draft")
+    p.add_argument(
+        "--force", action="store_true", help="rebuild a build made for another seed or draft"
+    )
+    p.set_defaults(func=_cmd_setup_tiny_v4)
 
     p = sub.add_parser("embedded", help="set up the embedded default (SmolLM2 + its drafter)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
