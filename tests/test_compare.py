@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,31 @@ def test_compare_writes_one_paired_table(cli, capsys):
     printed = capsys.readouterr().out
     assert "| T | benchmark | prompts | tau dspark | tau same | tau mtp1 |" in printed
     assert (out / "comparison.md").read_text().strip() in printed
+
+
+def test_compare_reuses_a_finished_drafter_only_under_the_same_key(cli, monkeypatch):
+    """A rerun reuses each drafter's saved rounds (the same table, no evaluation); changing
+    the settings or the draft's files evaluates that drafter again."""
+    from sglang_dspark.evaluation import runner
+
+    root, target, a, _mtp, eval_dir = cli
+    out = root / "out-reuse"
+    kw = {"target": target, "out": out, "eval_dir": eval_dir, "benchmarks": "gsm8k", "limit": 2,
+              "max_new_tokens": 6, "temperatures": "1"}  # fmt: skip
+    draft_b = root / "b"
+    shutil.copytree(a, draft_b)
+    assert compare.run(_args(draft=[f"a={a}", f"b={draft_b}"], **kw)) == 0
+    first = json.loads((out / "comparison.json").read_text())["rows"]
+    calls = []
+    original = runner.evaluate
+    monkeypatch.setattr(runner, "evaluate", lambda *x, **y: calls.append(1) or original(*x, **y))
+    assert compare.run(_args(draft=[f"a={a}", f"b={draft_b}"], **kw)) == 0
+    assert calls == [] and json.loads((out / "comparison.json").read_text())["rows"] == first
+    (draft_b / "config.json").write_text((draft_b / "config.json").read_text() + "\n")
+    assert compare.run(_args(draft=[f"a={a}", f"b={draft_b}"], **kw)) == 0
+    assert calls == [1]  # only b, whose files changed
+    assert compare.run(_args(draft=[f"a={a}", f"b={draft_b}"], **{**kw, "max_new_tokens": 5})) == 0
+    assert calls == [1, 1, 1]
 
 
 def test_compare_errors_say_what_is_wrong(cli, tmp_path):

@@ -17,6 +17,11 @@ so two drafters can be told apart on one run: an interval that holds 1.0 is a ti
 same prompts: (completion tokens - 1) / verify rounds, pooled;
 `--server-url NAME=URL` measures a server that already serves drafter NAME (then its own
 scheduler decides how much is verified).
+
+Nothing is lost on interruption: each drafter's per-prompt rounds go to
+`OUT/<name>/records.json` with a key of everything they depend on (the draft's files by
+sha256, the target, the prompts' token ids, limit, tokens, temperatures, seed, dtype); a rerun
+with the same key reuses them instead of evaluating that drafter again.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -107,6 +113,43 @@ def per_prompt(records: Sequence[RunRecord], temperature: float, benchmark: str 
             acc += [a for a, _ in r.per_prompt]
             rnd += [n for _, n in r.per_prompt]
     return np.array(acc, dtype=np.int64), np.array(rnd, dtype=np.int64)
+
+
+def run_key(draft: Path, target: Path, prompts: dict[str, list], settings: dict) -> str:
+    """Everything a drafter's evaluation depends on, hashed."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(draft).iterdir() if p.is_file()):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    raw = {"draft": h.hexdigest(), "target": str(Path(target).resolve()),
+           "prompts": {b: [list(map(int, ids)) for ids in v] for b, v in prompts.items()},
+           **settings}  # fmt: skip
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+
+
+def save_records(path: Path, key: str, records: Sequence[RunRecord]) -> None:
+    rows = [{"benchmark": r.benchmark, "temperature": r.temperature,
+             "per_prompt": [list(x) for x in r.per_prompt]} for r in records]  # fmt: skip
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"key": key, "records": rows}) + "\n")
+    tmp.replace(path)
+
+
+def load_records(path: Path, key: str) -> list[RunRecord] | None:
+    """The saved per-prompt rounds if they were made with this key, else None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != key:
+        return None
+    return [
+        RunRecord(r["benchmark"], float(r["temperature"]), prompts=len(r["per_prompt"]),
+                  per_prompt=[(int(a), int(n)) for a, n in r["per_prompt"]])
+        for r in data["records"]
+    ]
 
 
 def comparison_table(
@@ -267,7 +310,17 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Path]:
     eos = eos_ids(args.target, tokenizer)
 
     records: dict[str, list[RunRecord]] = {}
+    settings = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                "dtype": args.dtype, "temperatures": list(args.temperatures)}  # fmt: skip
     for arm in arms:
+        key = run_key(arm.path, Path(args.target), prompts, settings)
+        saved = out / arm.name / "records.json"
+        reused = load_records(saved, key)
+        if reused is not None:
+            logger.info("drafter %s: reusing %s (same drafter, prompts and settings)",
+                        arm.name, saved)  # fmt: skip
+            records[arm.name] = reused
+            continue
         logger.info("drafter %s (%s)", arm.name, arm.path)
         target, proposer = load_models(args.target, arm.path, dtype=args.dtype)
         recs = evaluate(
@@ -280,6 +333,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Path]:
                   "dtype": args.dtype, "eval_dir": str(eval_dir)}  # fmt: skip
         results = build_results(recs, proposer.gamma, DEFAULT_THRESHOLDS, config)
         write_outputs(recs, results, out / arm.name)
+        save_records(saved, key, recs)
         records[arm.name] = recs
         del target, proposer
         gc.collect()
