@@ -43,6 +43,16 @@ UPSTREAM_FAILURE = {
     "cpu_eagle_tree_ops": "build_tree_kernel_efficient_cpu is unavailable",
     "cpu_eagle_sampling_verify": "verified greedily (target argmax)",
     "cpu_row_argmax": "0 active drivers",
+    "v4_cpu_defaults": "DeepSeek-V4 --device cpu resolved with {'SGLANG_FP8_PAGED_MQA_LOGITS_TORCH'",
+    "v4_foreign_tokenizer_chat": "is not in the added vocabulary",
+    "v4_cpu_plain_rope": "get_rope_cpu asserts on rope_scaling=None",
+    "v4_cpu_fp8_kv_pool": "CPU FP8 KV cache requires",
+    "v4_cpu_compression_metadata": "0 active drivers",
+    "v4_cpu_sparse_attention": "Could not load this library",
+    "v4_cpu_compressor": "Found no NVIDIA driver",
+    "v4_cpu_norm_rope": "Failed to build JIT module",
+    "v4_cpu_mhc": "hc_split_sinkhorn's TileLang kernel failed on CPU",
+    "v4_cpu_swiglu_clamp": "moe_forward_native ignored swiglu_limit",
 }
 
 
@@ -55,6 +65,13 @@ def bad_draft(embedded_paths, tmp_path_factory):
     return out
 
 
+def tiny_v4_path() -> Path:
+    """The tiny DeepSeek-V4 checkpoint (built into the cache once, a few seconds)."""
+    from sglang_dspark.v4 import tiny
+
+    return tiny.build_tiny_v4()
+
+
 def _run_probes(embedded_paths, bad_draft, plugins: bool) -> dict[str, dict]:
     env = dict(os.environ)
     env.update(
@@ -62,6 +79,7 @@ def _run_probes(embedded_paths, bad_draft, plugins: bool) -> dict[str, dict]:
         PROBE_DRAFT=str(embedded_paths.draft),
         PROBE_BAD_DRAFT=str(bad_draft),
         PROBE_MTP_DRAFT=str(embedded_paths.mtp1_draft),
+        PROBE_V4=str(tiny_v4_path()),
         SGLANG_USE_CPU_ENGINE="1",
     )
     if not plugins:

@@ -48,6 +48,16 @@ def _hooks():
         draft_validation,
         scheduling,
         sts_collect,
+        v4_chat_encoding,
+        v4_cpu_attention,
+        v4_cpu_compressor,
+        v4_cpu_defaults,
+        v4_cpu_kv_pool,
+        v4_cpu_metadata,
+        v4_cpu_mhc,
+        v4_cpu_moe,
+        v4_cpu_norm_rope,
+        v4_cpu_rope,
         verify_trace,
     )
 
@@ -64,6 +74,16 @@ def _hooks():
         **scheduling.HOOKS,
         **sts_collect.HOOKS,
         **verify_trace.HOOKS,
+        **v4_cpu_defaults.HOOKS,
+        **v4_chat_encoding.HOOKS,
+        **v4_cpu_rope.HOOKS,
+        **v4_cpu_kv_pool.HOOKS,
+        **v4_cpu_metadata.HOOKS,
+        **v4_cpu_attention.HOOKS,
+        **v4_cpu_compressor.HOOKS,
+        **v4_cpu_norm_rope.HOOKS,
+        **v4_cpu_mhc.HOOKS,
+        **v4_cpu_moe.HOOKS,
     }
 
 

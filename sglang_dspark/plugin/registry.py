@@ -119,6 +119,101 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
     ),
     "sglang.srt.speculative.dspark_components.dspark_observability.DsparkStepObservers"
     ".note_request_finished": "(self, *, rid, natural_stop)",
+    # v4_cpu_plain_rope
+    "sglang.srt.layers.rotary_embedding.factory.get_rope_cpu": (
+        "(head_size, rotary_dim, max_position, base, is_neox_style=True, rope_scaling=None, "
+        "dtype=None, partial_rotary_factor=1.0, device=None)"
+    ),
+    # v4_cpu_fp8_kv_pool
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure": (
+        "(self, *, pre_model_load_memory)"
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config": (
+        "(self, pre_model_load_memory)"
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._derive_pool_sizes": (
+        "(self, *, config)"
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools": (
+        "(self, *, sizes, req_to_token_pool, token_to_kv_pool_allocator)"
+    ),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigResult": None,
+    "sglang.srt.mem_cache.kv_cache_configurator.is_swa_req_ring": None,
+    "sglang.srt.mem_cache.kv_cache_configurator.get_available_gpu_memory": None,
+    "sglang.srt.configs.model_config.is_deepseek_v4": None,
+    # v4_foreign_tokenizer_chat
+    "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec": (
+        "(*, hf_config, tokenizer, tool_call_parser=None)"
+    ),
+    # v4_cpu_compression_metadata
+    "sglang.kernels.ops.attention.dsv4.metadata_kernel._init_compressed_attn_metadata_triton": (
+        "(seq_lens, positions, raw_out_loc, page_table=None, page_size=0, "
+        "compute_page_indices=True)"
+    ),
+    # v4_cpu_sparse_attention
+    "sglang.srt.layers.attention.deepseek_v4_backend._create_flashmla_metadata": "()",
+    "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend.__init__": (
+        "(self, model_runner, skip_prefill=False, speculative_step_id=0, topk=0, "
+        "speculative_num_steps=0)"
+    ),
+    "sglang.kernels.ops.attention.flash_mla_sm120._gather_and_dequant": (
+        "(k_cache, indices, page_size)"
+    ),
+    # v4_cpu_compressor
+    "sglang.srt.layers.attention.dsv4.compressor_v2.create_paged_compressor_data": (
+        "(compress_ratio, *, is_prefill, token_to_kv_pool, req_to_token, req_pool_indices, "
+        "seq_lens, extend_lens=None, seq_lens_cpu=None, extend_lens_cpu=None, "
+        "use_prefill_cuda_graph=False, num_q_tokens=None, online_state_slot_offset=0)"
+    ),
+    "sglang.srt.layers.attention.dsv4.compressor_v2._use_online_compress": "(compress_ratio)",
+    "sglang.kernels.ops.attention.dsv4.compress.CompressorPrefillPlan": None,
+    "sglang.kernels.ops.attention.dsv4.compress.compress_forward": (
+        "(kv_score_buffer, kv_score_input, ape, plan, *, head_dim, compress_ratio, out=None, "
+        "is_online=False)"
+    ),
+    "sglang.kernels.ops.attention.dsv4.compress.compress_norm_rope_store": (
+        "(kv, plan, *, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size, "
+        "use_fp4=False, bf16_store=False, kvcache_scale=None, rope_cache=None, "
+        "fp4_k_write_metadata=None, layout=<KVLayout.V4: 'v4'>, fp8_2buff=False, "
+        "kvcache_rope=None)"
+    ),
+    # v4_cpu_mhc
+    "sglang.kernels.ops.layernorm.mhc.hc_split_sinkhorn": (
+        "(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-06)"
+    ),
+    "sglang.kernels.ops.layernorm.mhc.mhc_combine": "(x_flat, pre, hc, out_dtype)",
+    "sglang.kernels.ops.layernorm.mhc_head.fused_hc_head": (
+        "(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps)"
+    ),
+    "sglang.srt.models.deepseek_v4.hc_head_torch": (
+        "(x, hc_fn, hc_scale, hc_base, *, norm_eps, hc_eps)"
+    ),
+    # v4_cpu_norm_rope
+    "sglang.kernels.ops.attention.dsv4.norm_rope.fused_q_norm_rope": (
+        "(q_input, q_output, eps, freqs_cis, positions)"
+    ),
+    "sglang.kernels.ops.attention.dsv4.norm_rope.fused_rope_inplace": (
+        "(q, k, freqs_cis, positions, inverse=False)"
+    ),
+    "sglang.kernels.ops.attention.dsv4.norm_rope.fused_k_norm_rope_flashmla": (
+        "(kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache, page_size, "
+        "layout=<KVLayout.V4: 'v4'>, q=None)"
+    ),
+    "sglang.kernels.ops.attention.dsv4.norm_rope.fused_q_indexer_rope_hadamard_quant": (
+        "(q_input, weight, weight_scale, freqs_cis, positions)"
+    ),
+    # v4_cpu_swiglu_clamp
+    "sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp": (
+        "(input, output, swiglu_limit)"
+    ),
+    "sglang.srt.layers.moe.fused_moe_native.moe_forward_native": (
+        "(layer, x, topk_output, moe_runner_config)"
+    ),
+    # v4_cpu_defaults
+    "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults": (
+        "(server_args, model_arch)"
+    ),
+    "sglang.srt.arg_groups.overrides.declare_resolution": "(server_args, source, **fields)",
 }
 
 # Targets a hook changes or calls without the HookRegistry (direct assignment, module
@@ -139,6 +234,25 @@ DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
         "sglang.srt.speculative.eagle_utils.tree_speculative_sampling_target_only",
         "sglang.srt.speculative.eagle_utils.top_k_renorm_prob",
         "sglang.srt.speculative.eagle_utils.top_p_renorm_prob",
+    ),
+    "v4_cpu_fp8_kv_pool": (
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config",
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._derive_pool_sizes",
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigResult",
+        "sglang.srt.mem_cache.kv_cache_configurator.is_swa_req_ring",
+        "sglang.srt.mem_cache.kv_cache_configurator.get_available_gpu_memory",
+        "sglang.srt.configs.model_config.is_deepseek_v4",
+    ),
+    "v4_cpu_sparse_attention": ("sglang.kernels.ops.attention.flash_mla_sm120._gather_and_dequant",),
+    "v4_cpu_compressor": (
+        "sglang.srt.layers.attention.dsv4.compressor_v2._use_online_compress",
+        "sglang.kernels.ops.attention.dsv4.compress.CompressorPrefillPlan",
+    ),
+    "v4_cpu_mhc": ("sglang.srt.models.deepseek_v4.hc_head_torch",),
+    "v4_cpu_defaults": (
+        "sglang.srt.arg_groups.overrides.resolving_view",
+        "sglang.srt.arg_groups.overrides.declare_resolution",
     ),
 }
 

@@ -630,6 +630,309 @@ def cpu_row_argmax():
     assert idx.shape == (4, 1) and torch.equal(p, probs.gather(1, idx))
 
 
+# ------------------------------------------------------------------ DeepSeek-V4 on CPU
+def _v4_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.environ["PROBE_V4"])
+
+
+@probe
+def v4_cpu_defaults():
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_dspark.plugin.v4_cpu_defaults import CPU_ENV
+
+    saved = {n: os.environ.pop(n) for n in CPU_ENV if n in os.environ}
+    try:
+        args = prepare_server_args(["--model-path", os.environ["PROBE_V4"], "--device", "cpu"])
+        args.resolve_once()
+        env = {n: os.environ.get(n) for n in CPU_ENV}
+    finally:
+        for n in CPU_ENV:
+            os.environ.pop(n, None)
+        os.environ.update(saved)
+    view = resolved_view(args)
+    topk = (view.dsa_topk_backend, view.speculative_dsa_topk_backend)
+    want = {n: "1" if v else "0" for n, v in CPU_ENV.items()}
+    assert env == want and topk == ("torch", "torch"), (
+        f"DeepSeek-V4 --device cpu resolved with {env}, top-k backends {topk}: the server dies "
+        "at its first forward in CUDA kernels (DeepGEMM logits, sgl-kernel top-k, TileLang mHC)"
+    )
+
+
+@probe
+def v4_foreign_tokenizer_chat():
+    from sglang.srt.entrypoints.openai import chat_encoding
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.environ["PROBE_V4"])
+    spec = chat_encoding.resolve_chat_encoding_spec(hf_config=_v4_config(), tokenizer=tokenizer)
+    if spec is not None:  # what the HTTP server's start-up does with it
+        from sglang.srt.parser.deepseek_recipe_renderer import DeepSeekRecipe
+
+        recipe = DeepSeekRecipe.from_hf_tokenizer(spec, tokenizer)
+        recipe.encode({"messages": [{"role": "user", "content": ""}], "thinking": True})
+        raise AssertionError(f"the {spec} recipe encoded a prompt with a SmolLM2 tokenizer")
+
+
+@probe
+def v4_cpu_plain_rope():
+    from sglang.srt.layers.rotary_embedding.factory import get_rope_wrapper
+
+    try:
+        rope = get_rope_wrapper(head_size=64, rotary_dim=64, max_position=4096, base=10000,
+                                rope_scaling=None, is_neox_style=False, device="cpu")  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(
+            "get_rope_cpu asserts on rope_scaling=None (MQALayer's sliding-window layers)"
+        ) from exc
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    angles = torch.arange(4096, dtype=torch.float32)[:, None] * inv_freq
+    want = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    torch.testing.assert_close(rope.cos_sin_cache.float(), want, rtol=0, atol=1e-5)
+
+
+@probe
+def v4_cpu_fp8_kv_pool():
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    sizes = SimpleNamespace(max_total_num_tokens=512, max_running_requests=2,
+                            full_max_total_num_tokens=512, swa_max_total_num_tokens=256)  # fmt: skip
+    pools = SimpleNamespace(req_to_token_pool="r2t", token_to_kv_pool="v4 pool",
+                            token_to_kv_pool_allocator=object(), unified_memory_pool=None)  # fmt: skip
+
+    def configurator(hf_config):
+        return SimpleNamespace(
+            kv_cache_dtype=torch.float8_e4m3fn, model_config=SimpleNamespace(hf_config=hf_config),
+            use_mla_backend=False, spec_algorithm=SimpleNamespace(is_none=lambda: True),
+            is_draft_worker=False, memory_pool_config=None, device="cpu", gpu_id=0,
+            req_to_token_pool=None, token_to_kv_pool_allocator=None,
+            _resolve_memory_pool_config=lambda memory: "config",
+            _derive_pool_sizes=lambda config: sizes, _init_pools=lambda **kw: pools,
+        )  # fmt: skip
+
+    result = KVCacheConfigurator.configure(configurator(_v4_config()), pre_model_load_memory=0)
+    assert result.token_to_kv_pool == "v4 pool" and result.max_total_num_tokens == 512
+    # any other model keeps upstream's refusal of an fp8 cache the CPU attention cannot read
+    other = SimpleNamespace(architectures=["LlamaForCausalLM"], model_type="llama")
+    with contextlib.suppress(ValueError):
+        KVCacheConfigurator.configure(configurator(other), pre_model_load_memory=0)
+        raise AssertionError("an fp8 KV cache for a non-V4 model was allowed on CPU")
+
+
+@probe
+def v4_cpu_compression_metadata():
+    from sglang.kernels.ops.attention.dsv4.metadata_kernel import init_compression_metadata
+
+    seq_lens = torch.tensor([4, 130, 7, 256], dtype=torch.int32)
+    positions = seq_lens - 1
+    out_loc = torch.tensor([3, 2049, 518, 767], dtype=torch.int64)
+    page_table = torch.tensor([[0, 5], [2, 3], [1, 4], [7, 6]], dtype=torch.int32)
+    c4_loc, c4_pos, c4_raw, c4_len, c128_loc, c128_pos, c128_raw, c128_len, c128_pages = (
+        init_compression_metadata(seq_lens, positions, out_loc, page_table, 256)
+    )
+    assert c4_loc.tolist() == [0, 0, 0, 191] and c4_raw.tolist() == [1, 32, 1, 64]
+    assert c4_len.tolist() == [1, 32, 1, 64] and c4_pos.tolist() == [0, 128, 4, 252]
+    assert c128_loc.tolist() == [0, 0, 0, 5] and c128_raw.tolist() == [0, 1, 0, 2]
+    assert c128_len.tolist() == [1, 1, 1, 2] and c128_pos.tolist() == [0, 128, 0, 128]
+    # two compressed slots per 256-token page: page p holds slots 2p, 2p + 1
+    assert c128_pages.tolist() == [[-1] * 4, [4, -1, -1, -1], [-1] * 4, [14, 15, -1, -1]]
+
+
+def _v4_cache(num_pages, page_size):
+    from dspark_kernels.kv_layout import new_v4_cache
+
+    return new_v4_cache(num_pages, page_size)
+
+
+@probe
+def v4_cpu_sparse_attention():
+    from dspark_kernels.kv_layout import dequantize_v4_rows
+    from dspark_kernels.kv_store import kv_norm_rope_store_reference
+    from sglang.srt.layers.attention import deepseek_v4_backend
+
+    assert deepseek_v4_backend._create_flashmla_metadata() is None
+    from sglang_dspark.plugin.v4_cpu_attention import flash_mla_with_kvcache_torch
+
+    torch.manual_seed(0)
+    heads, swa_page, extra_page = 4, 256, 64
+    swa, extra = _v4_cache(2, swa_page), _v4_cache(2, extra_page)
+    freqs = torch.polar(torch.ones(64, 32), torch.randn(64, 32))
+    for cache, page, n in ((swa, swa_page, 300), (extra, extra_page, 100)):
+        kv = torch.randn(n, 512)
+        kv_norm_rope_store_reference(kv, torch.ones(512), 1e-6, freqs, torch.arange(n) % 64,
+                                     torch.arange(n), cache, page)  # fmt: skip
+    q = torch.randn(3, 1, heads, 512, dtype=torch.bfloat16)
+    sink = torch.randn(heads)
+    idx = torch.full((3, 1, 64), -1, dtype=torch.int32)
+    idx[0, 0, :5] = torch.tensor([0, 1, 2, 3, 4])
+    idx[1, 0, :3] = torch.tensor([257, 260, 299])
+    extra_idx = torch.full((3, 1, 64), -1, dtype=torch.int32)
+    extra_idx[0, 0, :2] = torch.tensor([7, 70])
+    lens, extra_lens = torch.tensor([5, 3, 1]), torch.tensor([2, 1, 1])
+    out, _ = flash_mla_with_kvcache_torch(
+        q=q, k_cache=swa[:, : swa_page * 584].view(2, swa_page, 1, 584), head_dim_v=512,
+        softmax_scale=512**-0.5, indices=idx, topk_length=lens, attn_sink=sink,
+        extra_k_cache=extra[:, : extra_page * 584].view(2, extra_page, 1, 584),
+        extra_indices_in_kvcache=extra_idx, extra_topk_length=extra_lens,
+    )  # fmt: skip
+    for row, (rows, extra_rows) in enumerate([([0, 1, 2, 3, 4], [7, 70]), ([257, 260, 299], [])]):
+        keys = dequantize_v4_rows(swa, torch.tensor(rows), swa_page)
+        if extra_rows:
+            keys = torch.cat([keys, dequantize_v4_rows(extra, torch.tensor(extra_rows), extra_page)])
+        scores = q[row, 0].float() @ keys.T * 512**-0.5  # [heads, keys]
+        weights = torch.exp(scores - torch.logaddexp(scores.logsumexp(-1), sink)[:, None])
+        torch.testing.assert_close(out[row, 0].float(), (weights @ keys).to(torch.bfloat16).float(),
+                                   rtol=2e-2, atol=2e-2)  # fmt: skip
+    assert out[2].abs().max() == 0  # no valid slot: 0, as FlashMLA
+
+
+def _fake_v4_pool(num_slots: int):
+    return SimpleNamespace(full_to_swa_index_mapping=torch.arange(num_slots), swa_page_size=256,
+                           get_ring_size=lambda compress_ratio: 8 if compress_ratio == 4 else 128,
+                           _unified_kv=False)  # fmt: skip
+
+
+@probe
+def v4_cpu_compressor():
+    from dspark_kernels.compressor import compress_verify_reference
+    from dspark_kernels.ragged_plan import StateAddressing
+    from sglang.kernels.ops.attention.dsv4 import compress_forward, compress_norm_rope_store
+    from sglang.srt.layers.attention.dsv4.compressor_v2 import create_paged_compressor_data
+
+    torch.manual_seed(0)
+    # two requests: 6 tokens after 5 cached, and a fresh 9-token prompt (C4, window 8)
+    prefix, extend = [5, 0], [6, 9]
+    seq = [p + e for p, e in zip(prefix, extend)]
+    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    req_to_token[0, :11] = torch.arange(11)
+    req_to_token[1, :9] = torch.arange(256, 265)
+    pool = _fake_v4_pool(512)
+    plan = create_paged_compressor_data(
+        4, is_prefill=True, token_to_kv_pool=pool, req_to_token=req_to_token,
+        req_pool_indices=torch.tensor([0, 1]), seq_lens=torch.tensor(seq),
+        extend_lens=torch.tensor(extend), seq_lens_cpu=seq, extend_lens_cpu=extend,
+    )  # fmt: skip
+    kv_score = torch.randn(sum(extend), 4 * 512)
+    state = torch.randn(2 * 8 * 2, 4 * 512)  # the state ring's earlier rows hold old tokens
+    ape, weight = torch.randn(8, 512), torch.rand(512) + 0.5
+    freqs = torch.polar(torch.ones(64, 32), torch.randn(64, 32))
+    out_loc = torch.arange(sum(extend)) // 4 + 3
+    ours_state, ours_cache = state.clone(), _v4_cache(1, 64)
+    rows = compress_forward(ours_state.view(-1, 4, 4 * 512), kv_score, ape, plan, head_dim=512,
+                            compress_ratio=4)  # fmt: skip
+    compress_norm_rope_store(rows, plan, norm_weight=weight, norm_eps=1e-6, freq_cis=freqs,
+                             out_loc=out_loc, kvcache=ours_cache, page_size=64)  # fmt: skip
+    ref_state, ref_cache = state.clone(), _v4_cache(1, 64)
+    addr = StateAddressing(torch.tensor([0, 1]), req_to_token, pool.full_to_swa_index_mapping,
+                           256, 8)  # fmt: skip
+    ref = compress_verify_reference(kv_score, ref_state, ape, extend, prefix, addr, 4, weight,
+                                    1e-6, freqs, out_loc, ref_cache, 64)  # fmt: skip
+    assert rows.shape[0] == len(ref) == 3  # positions 7 (request 0), 3 and 7 (request 1)
+    torch.testing.assert_close(rows, torch.stack(list(ref.values())), rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours_state, ref_state) and torch.equal(ours_cache, ref_cache)
+
+
+@probe
+def v4_cpu_norm_rope():
+    from dspark_kernels.kv_layout import dequantize_v4_rows
+    from sglang.kernels.ops.attention.dsv4.norm_rope import (
+        fused_k_norm_rope_flashmla,
+        fused_q_norm_rope,
+        fused_rope_inplace,
+    )
+
+    torch.manual_seed(0)
+    freqs = torch.polar(torch.ones(32, 32), torch.randn(32, 32))
+    pos = torch.tensor([0, 5, 31])
+    q = torch.randn(3, 4, 512, dtype=torch.bfloat16)
+    q_out = torch.empty_like(q)
+    fused_q_norm_rope(q, q_out, 1e-6, freqs, pos)
+    normed = (q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+    tail = torch.view_as_complex(normed.to(torch.bfloat16).float()[..., 448:].unflatten(-1, (32, 2)))
+    want = torch.cat([normed[..., :448], torch.view_as_real(tail * freqs[pos][:, None]).flatten(-2)], -1)
+    torch.testing.assert_close(q_out.float(), want, rtol=1e-2, atol=1e-2)
+    undo = q_out[..., 448:].clone()
+    fused_rope_inplace(undo, None, freqs, pos, inverse=True)
+    torch.testing.assert_close(undo.float(), normed[..., 448:], rtol=2e-2, atol=2e-2)
+    kv, cache = torch.randn(3, 512, dtype=torch.bfloat16), _v4_cache(1, 256)
+    fused_k_norm_rope_flashmla(kv, torch.ones(512), 1e-6, freqs, pos, torch.tensor([4, 9, 200]),
+                               cache, 256)  # fmt: skip
+    stored = dequantize_v4_rows(cache, torch.tensor([4, 9, 200]), 256)
+    kv_normed = kv.float() * torch.rsqrt(kv.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(stored[:, :448], kv_normed[:, :448], rtol=0.07, atol=0.02)
+
+
+@probe
+def v4_cpu_mhc():
+    from sglang.kernels.ops.layernorm.mhc import _mhc_pre_torch, hc_split_sinkhorn, mhc_combine
+    from sglang.kernels.ops.layernorm.mhc_head import fused_hc_head
+    from sglang.srt.models.deepseek_v4 import hc_head_torch
+
+    torch.manual_seed(0)
+    hc, hidden, tokens = 4, 16, 3
+    residual = torch.randn(tokens, hc, hidden)
+    fn, base, scale = torch.randn(24, hc * hidden) * 0.1, torch.randn(24), torch.rand(3)
+    x_flat = residual.flatten(1)
+    rsqrt = torch.rsqrt(x_flat.square().mean(-1, keepdim=True) + 1e-6)
+    mixes = torch.nn.functional.linear(x_flat, fn) * rsqrt
+    try:
+        pre, post, comb = hc_split_sinkhorn(mixes.unsqueeze(1), scale, base, hc, 20, 1e-6)
+    except Exception as exc:  # noqa: BLE001 - TileLang's CUDA build error dumps the kernel source
+        raise RuntimeError(f"hc_split_sinkhorn's TileLang kernel failed on CPU ({exc!r:.80})")
+    want_post, want_comb, want_y = _mhc_pre_torch(residual, fn, scale, base, 1e-6, 1e-6, 1e-6,
+                                                  2.0, 20)  # fmt: skip
+    torch.testing.assert_close(comb.squeeze(1), want_comb, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(post.squeeze(1), want_post.squeeze(-1), rtol=1e-5, atol=1e-6)
+    y = mhc_combine(x_flat, pre.squeeze(1), hc, torch.float32)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-6)
+    head_fn, head_base, head_scale = torch.randn(hc, hc * hidden), torch.randn(hc), torch.rand(1)
+    head = fused_hc_head(residual.bfloat16(), head_fn, head_scale, head_base, 1e-6, 1e-6)
+    want = hc_head_torch(residual.bfloat16(), head_fn, head_scale, head_base, norm_eps=1e-6,
+                         hc_eps=1e-6)  # fmt: skip
+    torch.testing.assert_close(head, want)
+
+
+@probe
+def v4_cpu_swiglu_clamp():
+    from sglang.kernels.ops.activation.silu_and_mul_clamp import silu_and_mul_clamp
+    from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+
+    torch.manual_seed(0)
+    limit = 1.0
+
+    def clamped(gate_up):
+        gate, up = gate_up.float().chunk(2, -1)
+        return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+    tokens, hidden, inter, experts = 6, 8, 4, 3
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16) * 2  # branches past 1
+    w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16)
+    layer = SimpleNamespace(num_experts=experts, w13_weight=w13, w2_weight=w2)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0], [2, 1]])
+    weights = torch.rand(tokens, 2)
+    config = MoeRunnerConfig(activation="silu", swiglu_limit=limit)
+    out = moe_forward_native(layer, x, (weights, ids, None), config)
+    want = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for k in range(2):
+            e = ids[t, k]
+            act = clamped(x[t : t + 1] @ w13[e].T).to(torch.bfloat16)
+            want[t] += weights[t, k] * (act @ w2[e].T).float()[0]
+    assert torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2), (
+        "moe_forward_native ignored swiglu_limit: the routed experts ran an unclamped SwiGLU "
+        f"(max error {(out.float() - want).abs().max():.3f})"
+    )
+    shared = torch.randn(tokens, 2 * inter, dtype=torch.bfloat16) * 3
+    act = torch.empty(tokens, inter, dtype=torch.bfloat16)
+    silu_and_mul_clamp(shared, act, limit)
+    torch.testing.assert_close(act, clamped(shared).to(torch.bfloat16))
+
+
 def _resolve(draft: str):
     from sglang.srt.server_args import prepare_server_args
 
