@@ -259,20 +259,25 @@ class StepStats:
     lm_head_positions: int = 0  # budget: drafter positions through the LM head this step
 
 
-DRAFTER_KINDS = ("dspark", "mtp")
+DRAFTER_KINDS = ("dspark", "mtp", "dspark-v4")
 
 
 def build_trainer(cfg: TrainConfig, *, dist_ctx: _Dist | None = None) -> Trainer:
-    """The trainer for ``cfg.drafter``: ``Trainer`` (DSpark) or ``train_mtp.MtpTrainer``."""
+    """The trainer for ``cfg.drafter``: ``Trainer`` (DSpark), ``train_mtp.MtpTrainer`` or
+    ``train_v4.V4Trainer`` (DeepSeek-V4 DSpark)."""
     if cfg.drafter == Trainer.kind:
         return Trainer(cfg, dist_ctx=dist_ctx)
     if cfg.drafter == "mtp":
         from .train_mtp import MtpTrainer
 
         return MtpTrainer(cfg, dist_ctx=dist_ctx)
+    if cfg.drafter == "dspark-v4":
+        from .train_v4 import V4Trainer
+
+        return V4Trainer(cfg, dist_ctx=dist_ctx)
     raise DraftConfigError(
-        f"drafter {cfg.drafter!r} is not one of {DRAFTER_KINDS}; pass --drafter dspark or "
-        "--drafter mtp."
+        f"drafter {cfg.drafter!r} is not one of {DRAFTER_KINDS}; pass --drafter dspark, "
+        "--drafter mtp or --drafter dspark-v4."
     )
 
 

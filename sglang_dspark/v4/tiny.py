@@ -342,6 +342,42 @@ def to_deepseek_names(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
+def from_deepseek_names(ds_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_deepseek_names`: DeepSeek's names (``layers.{i}.…``, the top
+    names) back to transformers' (``model.layers.{i}.…``), per-expert ``w1`` / ``w3`` / ``w2``
+    stacked into ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]. An unknown name is
+    an error."""
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    layer_names = {v: k for k, v in _LAYER_NAMES.items()}
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, t in ds_state.items():
+        if name in top:
+            out[top[name]] = t
+            continue
+        if not name.startswith("layers."):
+            raise KeyError(f"no transformers name for DeepSeek tensor {name!r}")
+        layer, rest = name.removeprefix("layers.").split(".", 1)
+        if rest.startswith("ffn.experts."):
+            e, kind = rest.removeprefix("ffn.experts.").split(".", 1)
+            experts.setdefault((layer, kind), {})[int(e)] = t
+        elif rest in layer_names:
+            out[f"model.layers.{layer}.{layer_names[rest]}"] = t
+        else:
+            raise KeyError(f"no transformers name for DeepSeek tensor {name!r}")
+    for layer in sorted({layer for layer, _ in experts}):
+        stack = {}
+        for kind in ("w1.weight", "w2.weight", "w3.weight"):
+            got = experts.get((layer, kind), {})
+            if sorted(got) != list(range(len(got))) or not got:
+                raise KeyError(f"layers.{layer}.ffn.experts.*.{kind}: experts {sorted(got)}")
+            stack[kind] = torch.stack([got[e] for e in range(len(got))])
+        prefix = f"model.layers.{layer}.mlp.experts."
+        out[prefix + "gate_up_proj"] = torch.cat([stack["w1.weight"], stack["w3.weight"]], dim=1)
+        out[prefix + "down_proj"] = stack["w2.weight"]
+    return out
+
+
 def storage_dtype(name: str) -> torch.dtype:
     """The dtype a tensor is stored in: the one SGLang's parameter has (bf16 model dtype)."""
     if name.endswith(".tid2eid"):
