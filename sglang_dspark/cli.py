@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
          "export a trained / DeepSpec drafter as an SGLang checkpoint"),
         ("train", "sglang_dspark.drafter.train", "add_arguments", "run",
          "train a DSpark drafter against a frozen target"),
+        ("bundle-v4-draft", "sglang_dspark.drafter.checkpoint_v4", "add_bundle_arguments",
+         "run_bundle", "bundle a trained DeepSeek-V4 DSpark draft into a copy of its target"),
         ("evaluate", "sglang_dspark.evaluation", "add_arguments", "run",
          "offline evaluator: tau, position-wise acceptance, threshold sweep"),
         ("compare", "sglang_dspark.evaluation.compare", "add_arguments", "run",

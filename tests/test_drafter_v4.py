@@ -234,6 +234,45 @@ def test_v4_features_are_stream_means_of_the_captured_layers_outputs(tiny):
     torch.testing.assert_close(adapter.logits(feats.final_hidden), ref.logits[0])
 
 
+def test_a_block_sees_the_128_context_rows_before_its_anchor_in_its_own_sequence(tiny):
+    """SGLang's draft window (compute_dspark_window_gather): the last min(a, 128) context
+    rows of the block's own request, none at or after the anchor; packed sequences do not
+    see each other."""
+    from sglang_dspark.drafter.dspark_v4 import DSparkV4Drafter, V4DraftConfig, init_v4_weights
+    from sglang_dspark.drafter.model import BlockLayout
+
+    cfg = V4DraftConfig.for_target(json.loads((tiny / "config.json").read_text()))
+    drafter = DSparkV4Drafter(cfg).eval()
+    init_v4_weights(drafter, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    drafter.attach_shared(torch.randn(V, H, generator=gen), torch.randn(V, H, generator=gen))
+    S0, S1 = 300, 50  # two packed sequences: rows 0..299 and 300..349
+    feats = torch.randn(S0 + S1, 3 * H, generator=gen)
+    anchors = torch.tensor([200, 20])  # one block per sequence
+    layout = BlockLayout(
+        block_ids=torch.full((2, cfg.block_size), cfg.mask_token_id),
+        positions=anchors[:, None] + torch.arange(cfg.block_size),
+        ctx_positions=torch.cat([torch.arange(S0), torch.arange(S1)]),
+        ctx_lo=torch.tensor([0, S0]),
+        ctx_hi=torch.tensor([200, S0 + 20]),
+    )
+
+    def run(rows):
+        f = feats.clone()
+        f[rows] += 1.0
+        with torch.no_grad():
+            return drafter(f, layout)
+
+    base = run([])
+    same = lambda h, b: torch.equal(h[b], base[b])
+    assert same(run(list(range(72))), 0)  # older than the 128-row window (200 - 128 = 72)
+    assert not same(run([72]), 0) and not same(run([199]), 0)  # window edges
+    assert same(run(list(range(200, S0))), 0)  # the anchor's row and later: never seen
+    assert same(run(list(range(S0))), 1)  # sequence 0's rows are not sequence 1's context
+    assert not same(run([S0 + 19]), 1) and same(run([S0 + 20]), 1)
+
+
 # ============================================================================ (2) training
 @pytest.mark.slow
 def test_a_short_run_lowers_the_loss_and_raises_the_acceptance_proxy(trained):
@@ -372,7 +411,7 @@ def test_sglangs_modules_compute_what_ours_do_from_the_export(sglang_side, name)
     torch.testing.assert_close(ours, theirs, rtol=2e-4, atol=2e-4)
 
 
-def test_the_export_round_trips_and_resumes_from_a_bundled_draft(tiny, tmp_path):
+def test_the_export_round_trips_and_bundles_back_into_the_target(tiny, tmp_path):
     """--init-draft reads the tiny checkpoint's bundled draft; our export of it carries the
     same tensors under the same names."""
     from safetensors.torch import load_file
@@ -387,6 +426,19 @@ def test_the_export_round_trips_and_resumes_from_a_bundled_draft(tiny, tmp_path)
     assert set(out) == set(src)
     for k, t in src.items():
         assert out[k].dtype == t.dtype and torch.equal(out[k], t), k
+
+    # sglang-dspark bundle-v4-draft: the target's own tensors, the draft's mtp.* ones.
+    from sglang_dspark.cli import main as cli
+
+    assert cli(["bundle-v4-draft", "--target", str(tiny), "--draft", str(tmp_path / "draft"),
+                "--out", str(tmp_path / "bundled")]) == 0  # fmt: skip
+    bundled = load_file(str(tmp_path / "bundled" / "model.safetensors"))
+    target = load_file(str(tiny / "model.safetensors"))
+    assert set(bundled) == set(target)
+    assert all(torch.equal(bundled[k], target[k]) for k in target)
+    assert (tmp_path / "bundled" / "tokenizer.json").is_file()
+    assert cli(["bundle-v4-draft", "--target", str(tiny), "--draft", str(tmp_path / "draft"),
+                "--out", str(tiny)]) != 0  # fmt: skip
 
 
 # ============================================================================ (4) refusals

@@ -27,6 +27,7 @@ layer>`` under DeepSeek's names (``attn.wq_a``, ``attn.wkv``, ``attn.kv_norm``, 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -190,3 +191,16 @@ def bundle_v4_draft(
     _write_atomically(out, tensors, config)
     logger.info("bundled the draft of %s into a copy of %s at %s", draft, target, out)
     return out
+
+
+# ---------------------------------------------------------------------------- CLI
+def add_bundle_arguments(parser: argparse.ArgumentParser) -> None:
+    """``sglang-dspark bundle-v4-draft --target T --draft D --out O``."""
+    parser.add_argument("--target", required=True, help="the DeepSeek-V4 target directory")
+    parser.add_argument("--draft", required=True, help="a V4 draft directory (OUT/draft)")
+    parser.add_argument("--out", required=True, help="new directory for the bundled copy")
+
+
+def run_bundle(args: argparse.Namespace) -> int:
+    print(bundle_v4_draft(args.target, args.draft, args.out))
+    return 0
