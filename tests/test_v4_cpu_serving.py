@@ -1,0 +1,200 @@
+"""The tiny DeepSeek-V4 served plain (no speculation) by a real SGLang 0.5.23 on CPU.
+
+One server for the module, started with the command as a user types it: `--device cpu` and
+the pool sizes, nothing else. The plugin's V4 hooks (`v4_cpu_*`, `sglang_dspark/plugin/`)
+pick the torch paths (SGLang's own where it has them, `dspark_kernels`' references for the
+compressor, KV store and indexer query) and keep V4's native numerics: bf16 weights and
+activations, the fp8 KV pool, the `dsv4` attention backend.
+
+The reference is transformers' `DeepseekV4ForCausalLM` in float32 on the same weights,
+teacher-forced along each server sequence (prompt + greedy continuation). The weights are
+random, so the next-token distributions are nearly flat (logit spread about 0.32 nats across
+the vocabulary, the best two tokens often within 0.01): greedy continuations of the two
+implementations part at such near-ties, and the check is on log-probabilities instead:
+
+- over every prompt and output token after the first, |server - transformers| log-probability
+  on average within `MEAN_ABS` (0.02), its 99th percentile within `P99_ABS` (0.06), its
+  maximum within `MAX_ABS` (0.2);
+- every greedy token within `GAP_ABS` (0.06) of transformers' best log-probability at that step.
+
+Why those bounds: the server stores K (= V) of every cached token in fp8, 448 of its 512
+dims as e4m3 with one power-of-two scale per 64 values, a relative rounding of up to 2^-4
+per value, and computes in bf16 (2^-9 per rounding, two roundings a linear); beyond 2048
+tokens the C4 indexer also picks its 512 compressed entries from fp8 query and key codes.
+Emulating the fp8 KV in transformers lowers the mean difference from 0.0086 to 0.0071 (a
+200-token prompt); the rest is bf16 arithmetic, whose order of operations transformers does not
+share (rounding its linear outputs to bf16 does not lower the difference further). Measured
+on these prompts (5 / 45 / 200 / 600 / 2300 tokens, 2026-12): mean 0.0115 / 0.0084 / 0.0094 /
+0.0097 / 0.0099, 99th percentile 0.031 / 0.025 / 0.046 / 0.037 / 0.040, max 0.032 / 0.026 /
+0.065 / 0.058 / 0.132 (one token of the 2300), greedy gap at most 0.02; the batched requests
+gave the same. A wrong model is far outside: transformers without the C4 layers' compressed
+attention differs from the server by a mean of 0.074 to 0.249 and a 99th percentile of 0.19 to
+0.92 on the same sequences (`test_the_check_can_fail`); without C128, 0.11 (max, 600 tokens).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from sglang_dspark.server import SGLangServer, free_port
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+MEAN_ABS = 0.02
+P99_ABS = 0.06
+MAX_ABS = 0.2
+GAP_ABS = 0.06
+NEW_TOKENS = 12
+PROMPT_LENS = (5, 45, 200, 600, 2300)  # 2300 > 4 * 512: the C4 indexer's top-512 selects
+
+
+@pytest.fixture(scope="module")
+def tiny_v4():
+    from sglang_dspark.v4 import tiny
+
+    return tiny.build_tiny_v4()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_v4, tmp_path_factory):
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_v4),
+        "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+        "--disable-cuda-graph", "--max-total-tokens", "8192", "--swa-full-tokens-ratio", "0.5",
+        "--max-running-requests", "4",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    log = tmp_path_factory.mktemp("v4-server") / "server.log"
+    srv = SGLangServer(cmd, env, port, log)
+    srv.start(timeout=900)  # about a minute on 2 idle cores, several on busy ones
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_v4) -> list[list[int]]:
+    """Fixed token ids: a chat-like text, a code snippet, and seeded ids for the long ones."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_v4)
+    short = tok.encode("The capital of France is")
+    code = tok.encode(
+        "def fibonacci(n):\n    if n < 2:\n        return n\n"
+        "    return fibonacci(n - 1) + fibonacci(n - 2)\n\nprint([fibonacci(i) for i in range(9)])"
+    )
+    g = torch.Generator().manual_seed(0)
+    out = [short[: PROMPT_LENS[0]], code[: PROMPT_LENS[1]]]
+    out += [torch.randint(100, 49000, (n,), generator=g).tolist() for n in PROMPT_LENS[2:]]
+    assert [len(p) for p in out] == list(PROMPT_LENS)
+    return out
+
+
+def _generate(server, ids: list[int], *, logprobs: bool = False) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
+    if logprobs:
+        body.update(return_logprob=True, logprob_start_len=0)
+    r = requests.post(server.base_url + "/generate", json=body, timeout=1200)
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def greedy(server, prompts) -> list[dict]:
+    return [_generate(server, p, logprobs=True) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_v4):
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "2"))))
+    return DeepseekV4ForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32).eval()
+
+
+def _reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _server_logprobs(response: dict) -> list[float]:
+    meta = response["meta_info"]
+    rows = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+    return [row[0] for row in rows][1:]  # the first prompt token has none
+
+
+def _differences(ref: torch.Tensor, prompt, response) -> torch.Tensor:
+    """|server - transformers| log-probability of every token after the first (`ref`: the
+    reference log-probabilities along prompt + output)."""
+    ids = prompt + response["output_ids"]
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    return (torch.tensor(_server_logprobs(response)) - want).abs()
+
+
+def test_greedy_text_is_deterministic(server, prompts, greedy):
+    """Three prompts (5, 45, 200 tokens), each requested again: the same tokens and text."""
+    for prompt, first in zip(prompts[:3], greedy[:3]):
+        again = _generate(server, prompt)
+        assert len(first["output_ids"]) == NEW_TOKENS and first["text"]
+        assert again["output_ids"] == first["output_ids"] and again["text"] == first["text"]
+
+
+def _check_against_reference(model, prompts, responses) -> None:
+    worst = []
+    for prompt, response in zip(prompts, responses):
+        ref = _reference_logprobs(model, prompt + response["output_ids"])
+        diff = _differences(ref, prompt, response)
+        worst.append((len(prompt), *(round(x, 4) for x in _summary(diff))))
+        steps = ref[len(prompt) - 1 : -1]  # the distributions the greedy tokens were drawn from
+        chosen = steps.gather(1, torch.tensor(response["output_ids"])[:, None])[:, 0]
+        gap = steps.max(dim=-1).values - chosen  # how far each greedy pick is from the best
+        assert gap.max() <= GAP_ABS, f"{len(prompt)}-token prompt: greedy gap {gap.tolist()}"
+    assert all(_within_bounds(*w[1:]) for w in worst), f"(tokens, mean, p99, max): {worst}"
+
+
+def _summary(diff: torch.Tensor) -> tuple[float, float, float]:
+    return diff.mean().item(), diff.quantile(0.99).item(), diff.max().item()
+
+
+def _within_bounds(mean: float, p99: float, worst: float) -> bool:
+    return mean <= MEAN_ABS and p99 <= P99_ABS and worst <= MAX_ABS
+
+
+def test_logprobs_match_transformers_float32(greedy, prompts, reference):
+    """One request at a time, 5 to 2300 prompt tokens (sliding window, C4 and C128
+    compression, the C4 indexer's top-512): see the module docstring for the bounds."""
+    _check_against_reference(reference, prompts, greedy)
+
+
+def test_batched_requests_match_transformers_float32(server, prompts, reference):
+    """The four shorter prompts at once: one prefill batch, then decode batches of requests at
+    different lengths (their compressions fall on different steps). A batched request may take
+    the other side of a near-tie (bf16 sums depend on the batch shape), so its own sequence is
+    checked, with the same bounds."""
+    with ThreadPoolExecutor(4) as pool:
+        batched = list(pool.map(lambda p: _generate(server, p, logprobs=True), prompts[:4]))
+    _check_against_reference(reference, prompts[:4], batched)
+
+
+def test_the_check_can_fail(greedy, prompts, reference, monkeypatch):
+    """Negative control: transformers without the C4 layers' compressed attention (the sliding
+    window only) is outside both the mean and the 99th-percentile bounds on every prompt."""
+    import transformers.models.deepseek_v4.modeling_deepseek_v4 as hf
+
+    original = hf.DeepseekV4CSACompressor.forward
+
+    def no_compressed_entries(self, hidden_states, *args, **kwargs):
+        kv, bias = original(self, hidden_states, *args, **kwargs)
+        return kv[:, :, :0], None if bias is None else bias[..., :0]
+
+    monkeypatch.setattr(hf.DeepseekV4CSACompressor, "forward", no_compressed_entries)
+    for prompt, response in zip(prompts, greedy):
+        ref = _reference_logprobs(reference, prompt + response["output_ids"])
+        mean, p99, _ = _summary(_differences(ref, prompt, response))
+        assert mean > MEAN_ABS and p99 > P99_ABS, (len(prompt), mean, p99)
