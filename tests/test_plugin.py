@@ -53,6 +53,8 @@ UPSTREAM_FAILURE = {
     "v4_cpu_norm_rope": "Failed to build JIT module",
     "v4_cpu_mhc": "hc_split_sinkhorn's TileLang kernel failed on CPU",
     "v4_cpu_swiglu_clamp": "moe_forward_native ignored swiglu_limit",
+    "cpu_paged_last_loc": "0 active drivers",
+    "v4_cpu_pinned_lists": "Found no NVIDIA driver",
 }
 
 

@@ -150,6 +150,10 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
         "(seq_lens, positions, raw_out_loc, page_table=None, page_size=0, "
         "compute_page_indices=True)"
     ),
+    # v4_cpu_pinned_lists
+    "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend._move_to_device": (
+        "(self, x)"
+    ),
     # v4_cpu_sparse_attention
     "sglang.srt.layers.attention.deepseek_v4_backend._create_flashmla_metadata": "()",
     "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend.__init__": (
@@ -214,6 +218,13 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
         "(server_args, model_arch)"
     ),
     "sglang.srt.arg_groups.overrides.declare_resolution": "(server_args, source, **fields)",
+    # cpu_paged_last_loc
+    "sglang.kernels.ops.memory.common.get_last_loc_triton": (
+        "(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)"
+    ),
+    "sglang.srt.mem_cache.allocation.get_last_loc_torch": (
+        "(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)"
+    ),
 }
 
 # Targets a hook changes or calls without the HookRegistry (direct assignment, module
@@ -244,12 +255,15 @@ DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
         "sglang.srt.mem_cache.kv_cache_configurator.get_available_gpu_memory",
         "sglang.srt.configs.model_config.is_deepseek_v4",
     ),
-    "v4_cpu_sparse_attention": ("sglang.kernels.ops.attention.flash_mla_sm120._gather_and_dequant",),
+    "v4_cpu_sparse_attention": (
+        "sglang.kernels.ops.attention.flash_mla_sm120._gather_and_dequant",
+    ),
     "v4_cpu_compressor": (
         "sglang.srt.layers.attention.dsv4.compressor_v2._use_online_compress",
         "sglang.kernels.ops.attention.dsv4.compress.CompressorPrefillPlan",
     ),
     "v4_cpu_mhc": ("sglang.srt.models.deepseek_v4.hc_head_torch",),
+    "cpu_paged_last_loc": ("sglang.srt.mem_cache.allocation.get_last_loc_torch",),
     "v4_cpu_defaults": (
         "sglang.srt.arg_groups.overrides.resolving_view",
         "sglang.srt.arg_groups.overrides.declare_resolution",

@@ -54,6 +54,18 @@ def sparse_attention_torch(
     (`[B, 1, H, head_dim_v]` in `q`'s dtype, lse `[B, H, 1]`). Follows SGLang's torch reference
     `_sm120_sparse_decode_fwd` (float32 softmax, sink in the denominator, an all-masked row
     gives 0) without its final bf16 cast, so a float32 model keeps float32."""
+    heads = q.shape[2]
+    if attn_sink is not None and attn_sink.numel() < heads:
+        # the DSpark draft pads its query to 64 heads (FlashMLA's width) and keeps one sink
+        # per real head; the padding heads are sliced away by the caller: left at 0 here
+        real = attn_sink.numel()
+        out, lse = sparse_attention_torch(
+            q[:, :, :real], k_cache, indices, topk_length, attn_sink, head_dim_v, softmax_scale,
+            extra_k_cache, extra_indices, extra_topk_length,
+        )  # fmt: skip
+        padded = out.new_zeros(*out.shape[:2], heads, out.shape[-1])
+        padded[:, :, :real] = out
+        return padded, torch.cat([lse, lse.new_zeros(lse.shape[0], heads - real, 1)], dim=1)
     outs, lses = [], []
     for start in range(0, q.shape[0], QUERY_CHUNK):
         rows = slice(start, start + QUERY_CHUNK)

@@ -1,4 +1,6 @@
-"""`v4_cpu_compression_metadata`: DeepSeek-V4's compressed-attention metadata in torch on CPU.
+"""DeepSeek-V4's attention metadata on CPU: `v4_cpu_compression_metadata`, `v4_cpu_pinned_lists`.
+
+`v4_cpu_compression_metadata`: DeepSeek-V4's compressed-attention metadata in torch on CPU.
 
 Every V4 forward builds, per query row, where a C4 / C128 compressed entry is written and how
 many compressed entries it reads (`DSV4AttnMetadata.init_compression_metadata`,
@@ -14,6 +16,11 @@ write slot):
   `max(s // 4, 1)`; C128 the same with 128;
 - C128 page indices (`compute_page_indices`): for `j < page_table.shape[1] * (page_size // 128)`,
   `page_table[row, j // c128_page] * c128_page + j % c128_page` where `j < s // 128`, else -1.
+
+`v4_cpu_pinned_lists`: the backend moves host lists to its device through pinned memory
+(`DeepseekV4AttnBackend._move_to_device`, `deepseek_v4_backend.py:1382`: `pin_memory=True`,
+"Found no NVIDIA driver"), e.g. a DSPARK draft block's extend lengths
+(`_draft_block_extend_lens`). On a CPU backend the hook builds the int32 tensor directly.
 """
 
 from __future__ import annotations
@@ -79,4 +86,20 @@ def install() -> None:
     register_around(TARGET, _metadata)
 
 
-HOOKS = {"v4_cpu_compression_metadata": install}
+def _move_to_device(original, backend, x):
+    if backend.device.type != "cpu":
+        return original(backend, x)
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def install_pinned_lists() -> None:
+    register_around(
+        "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend._move_to_device",
+        _move_to_device,
+    )
+
+
+HOOKS = {
+    "v4_cpu_compression_metadata": install,
+    "v4_cpu_pinned_lists": install_pinned_lists,
+}

@@ -787,6 +787,17 @@ def v4_cpu_sparse_attention():
         torch.testing.assert_close(out[row, 0].float(), (weights @ keys).to(torch.bfloat16).float(),
                                    rtol=2e-2, atol=2e-2)  # fmt: skip
     assert out[2].abs().max() == 0  # no valid slot: 0, as FlashMLA
+    # the DSpark draft pads its query to more heads than it has sinks: same real heads
+    q_pad = torch.cat([q, torch.full_like(q, float("nan"))], dim=2)
+    padded, _ = flash_mla_with_kvcache_torch(
+        q=q_pad, k_cache=swa[:, : swa_page * 584].view(2, swa_page, 1, 584), head_dim_v=512,
+        softmax_scale=512**-0.5, indices=idx, topk_length=lens, attn_sink=sink,
+    )  # fmt: skip
+    plain, _ = flash_mla_with_kvcache_torch(
+        q=q, k_cache=swa[:, : swa_page * 584].view(2, swa_page, 1, 584), head_dim_v=512,
+        softmax_scale=512**-0.5, indices=idx, topk_length=lens, attn_sink=sink,
+    )  # fmt: skip
+    assert torch.equal(padded[:, :, :heads], plain) and padded[:, :, heads:].abs().max() == 0
 
 
 def _fake_v4_pool(num_slots: int):
@@ -931,6 +942,24 @@ def v4_cpu_swiglu_clamp():
     act = torch.empty(tokens, inter, dtype=torch.bfloat16)
     silu_and_mul_clamp(shared, act, limit)
     torch.testing.assert_close(act, clamped(shared).to(torch.bfloat16))
+
+
+@probe
+def cpu_paged_last_loc():
+    from sglang.kernels.ops.memory.common import get_last_loc_triton
+
+    req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10)
+    last = get_last_loc_triton(req_to_token, torch.tensor([2, 0, 3]), torch.tensor([5, 0, 10]))
+    assert last.tolist() == [24, -1, 39] and last.dtype == torch.int64
+
+
+@probe
+def v4_cpu_pinned_lists():
+    from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+
+    backend = SimpleNamespace(device=torch.device("cpu"))
+    lens = DeepseekV4AttnBackend._move_to_device(backend, [5, 5, 3])
+    assert lens.tolist() == [5, 5, 3] and lens.dtype == torch.int32
 
 
 def _resolve(draft: str):
