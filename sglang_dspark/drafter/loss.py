@@ -100,6 +100,13 @@ class LossSums:
 _CHUNK_ROWS = 64
 
 
+def _tv_ce_grad(p_d, sign, g_tv, g_ce, labels):
+    """d(g_tv TV + g_ce CE)/dz = p_d (g_tv (s - <p_d, s>) + g_ce) - g_ce onehot(label)."""
+    dot = (p_d * sign).sum(dim=-1, keepdim=True)
+    g = p_d * (g_tv[:, None] * (sign - dot) + g_ce[:, None])
+    return g.scatter_add_(-1, labels[:, None], -g_ce[:, None])
+
+
 class _TvCe(torch.autograd.Function):
     """(TV, CE) per row of draft logits z [N, V] against target logits t [N, V] (any float
     dtype; computed in fp32 a chunk of rows at a time). Gradient flows to z only."""
@@ -129,10 +136,7 @@ class _TvCe(torch.autograd.Function):
             sl = slice(i, i + _CHUNK_ROWS)
             p_d = torch.softmax(z[sl].float(), dim=-1)
             sign = torch.sign(p_d - torch.softmax(t[sl].float(), dim=-1))
-            dot = (p_d * sign).sum(dim=-1, keepdim=True)
-            g = p_d * (g_tv[sl, None] * (sign - dot) + g_ce[sl, None])
-            g.scatter_add_(-1, labels[sl, None], -g_ce[sl, None])
-            grad[sl] = g.to(grad.dtype)
+            grad[sl] = _tv_ce_grad(p_d, sign, g_tv[sl], g_ce[sl], labels[sl]).to(grad.dtype)
         return grad, None, None
 
 
@@ -203,10 +207,7 @@ class _TvCeTopK(torch.autograd.Function):
             pd_s, pt_s, q_out, p_out = _bucket_terms(log_pd, ids[sl], logp_t[sl])
             sign = torch.sign(q_out - p_out).expand_as(p_d).clone()
             sign.scatter_(-1, ids[sl], torch.sign(pd_s - pt_s))
-            dot = (p_d * sign).sum(dim=-1, keepdim=True)
-            g = p_d * (g_tv[sl, None] * (sign - dot) + g_ce[sl, None])
-            g.scatter_add_(-1, labels[sl, None], -g_ce[sl, None])
-            grad[sl] = g.to(grad.dtype)
+            grad[sl] = _tv_ce_grad(p_d, sign, g_tv[sl], g_ce[sl], labels[sl]).to(grad.dtype)
         return grad, None, None, None
 
 
