@@ -422,3 +422,42 @@ def test_readme_serve_command_works_as_typed_without_environment(embedded_paths,
     assert "SGLANG_USE_CPU_ENGINE=1 set for this launch" in log
     assert "SGLANG_DSPARK_SCHEDULER=sync" in log
 
+
+
+def test_register_refuses_when_a_hook_module_fails_to_import(monkeypatch):
+    """SGLang's loader logs and swallows a plugin's exception and starts with no hooks; an
+    import error inside the hook list must stop the process instead."""
+    from sglang_dspark import plugin
+
+    def broken_hooks():
+        from sglang_dspark.plugin import no_such_hook_module  # noqa: F401
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_hooks", broken_hooks)
+    with pytest.raises(SystemExit) as info:
+        plugin.register()
+    assert isinstance(info.value, plugin.PluginRefusal)
+    message = str(info.value.code)
+    assert "failed while registering its hooks: ImportError" in message
+    assert "no_such_hook_module" in message and "SGLang was not started" in message
+
+
+def test_loader_stops_on_a_hook_module_import_error(tmp_path):
+    """Through SGLang's own `load_plugins()` (which catches `Exception`): status 1, not a
+    silently unhooked process."""
+    env = _sitecustomize(
+        tmp_path,
+        """
+        from sglang_dspark import plugin
+        def _broken():
+            raise ImportError("cannot import name 'HOOKS' from 'sglang_dspark.plugin.cpu_x'")
+        plugin._hooks = _broken
+        """,
+    )
+    code = "from sglang.srt.plugins import load_plugins; load_plugins(); print('REGISTERED')"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "REGISTERED" not in proc.stdout, proc.stderr[-3000:]
+    assert "failed while registering its hooks: ImportError" in proc.stderr

@@ -145,11 +145,32 @@ def refuse(message: str) -> None:
 
 
 def register() -> None:
-    """Entry point: check the sglang version, install and verify every enabled hook."""
+    """Entry point: check the sglang version, install and verify every enabled hook.
+
+    Any other exception (a hook module that fails to import, a bug in an install) also stops
+    the process: SGLang's loader would log it and start the server with no hooks at all."""
     global _registered
     if _registered:
         return
     _registered = True
+    try:
+        _register()
+    except PluginRefusal:
+        raise
+    except Exception as exc:
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        refuse(
+            f"sglang-dspark failed while registering its hooks: {type(exc).__name__}: {exc} "
+            f"(at {where.filename}:{where.lineno}); SGLang was not started, because without "
+            "its hooks it would run unmodified. Check that sglang-dspark and sglang=="
+            f"{SGLANG_VERSION} are installed together (`pip install -e .` in the checkout, "
+            "then `sglang-dspark patches apply`); if it persists, report it with this message."
+        )
+
+
+def _register() -> None:
     found = installed_sglang_version()
     problem = version_problem(found)
     if problem:
