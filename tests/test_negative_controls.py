@@ -21,7 +21,7 @@ from sglang_dspark.losslessness import compare_samples, detectable_tv
 from sglang_dspark.rejection import chain_speculative_sampling_torch
 
 V, PROMPTS, LENGTH = 48, 3, 4
-AUDIT_SAMPLES = 240  # the audit's default and what tests/test_losslessness.py draws
+AUDIT_SAMPLES = 240  # `sglang-dspark audit`'s default
 
 
 def _model(seed: int = 0):
