@@ -145,16 +145,18 @@ def test_audit_command_fails_on_a_server_that_does_not_speculate(servers, embedd
 
 def test_audit_command_passes_on_dspark_and_fails_on_broken_sampler(servers, embedded_paths):
     """`sglang-dspark audit` against the embedded default (sync scheduling on): exit 0, with
-    drafts proposed and accepted and the power printed; then exit 1 for the same scheduling
-    server whose replacement token is drawn from max(0, p_t - p_d) without renormalising."""
+    drafts proposed and accepted and the power printed (160 samples at a family-wise 0.1%: the
+    pass checks the command end to end, its false alarms are what matter); then exit 1, with the
+    audit's defaults as a user runs it, for the same scheduling server whose replacement token is
+    drawn from max(0, p_t - p_d) without renormalising."""
     reference = servers.get(embedded_paths, speculative=False)
     good = servers.get(embedded_paths)
-    ok = _audit(good.base_url, reference.base_url, "--samples", "240", "--alpha", str(ALPHA))
+    ok = _audit(good.base_url, reference.base_url, "--samples", "160", "--alpha", str(ALPHA))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "LOSSLESS" in ok.stdout and "NOT LOSSLESS" not in ok.stdout
     assert "detects with power 0.8: per position TV >= " in ok.stdout
     assert "avg_spec_accept_length" in ok.stdout
     broken = servers.get(embedded_paths, env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "no_renorm"})
-    bad = _audit(broken.base_url, reference.base_url, "--samples", "240", "--alpha", str(ALPHA))
+    bad = _audit(broken.base_url, reference.base_url)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "NOT LOSSLESS" in bad.stdout and "temperature 1: FAIL" in bad.stdout
