@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from sglang_dspark.v4.tiny import from_deepseek_names, storage_dtype, to_deepseek_names
+from sglang_dspark.v4.tiny import from_deepseek_names, storage_dtype, to_draft_stage_names
 
 from .checkpoint import DraftCheckpointError, read_safetensors
 from .config import DraftConfigError
@@ -55,13 +55,7 @@ def draft_tensors(drafter: DSparkV4Drafter) -> dict[str, torch.Tensor]:
     state = drafter.trainable_state_dict()
     last = drafter.config.num_stages - 1
     hf = {f"model.{k}": v for k, v in state.items() if k.startswith(_STAGE_PARTS)}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in to_deepseek_names(hf).items():
-        if name.startswith("layers."):
-            stage, rest = name.removeprefix("layers.").split(".", 1)
-            out[f"mtp.{stage}.{rest}"] = t
-        else:  # final norm, mHC head
-            out[f"mtp.{last}.{name}"] = t
+    out = to_draft_stage_names(hf, last)
     out["mtp.0.main_proj.weight"] = state["main_proj.weight"]
     out["mtp.0.main_norm.weight"] = state["main_norm.weight"]
     out[f"mtp.{last}.markov_head.embed.weight"] = state["markov_head.markov_w1.weight"]

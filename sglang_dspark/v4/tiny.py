@@ -342,6 +342,22 @@ def to_deepseek_names(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
+def to_draft_stage_names(
+    hf_state: Mapping[str, torch.Tensor], last: int
+) -> dict[str, torch.Tensor]:
+    """transformers' DeepseekV4 stage tensors under the bundled draft's names: stage `i`'s layer
+    ``layers.{i}.…`` becomes ``mtp.{i}.…``, and the final norm and mHC head go to the last
+    stage, ``mtp.{last}.…`` (what SGLang's DSpark remapping expects)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in to_deepseek_names(hf_state).items():
+        if name.startswith("layers."):
+            stage, rest = name.removeprefix("layers.").split(".", 1)
+            out[f"mtp.{stage}.{rest}"] = t
+        else:  # final norm, mHC head
+            out[f"mtp.{last}.{name}"] = t
+    return out
+
+
 def from_deepseek_names(ds_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of :func:`to_deepseek_names`: DeepSeek's names (``layers.{i}.…``, the top
     names) back to transformers' (``model.layers.{i}.…``), per-expert ``w1`` / ``w3`` / ``w2``
@@ -448,13 +464,7 @@ def draft_tensors(spec: TinyV4Spec, *, vocab_size: int, seed: int) -> dict[str, 
         torch.manual_seed(_seed(seed, "draft"))
         stages = DeepseekV4Model(hf_cfg)
     hf = {f"model.{k}": v for k, v in stages.state_dict().items() if not k.startswith("embed")}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in to_deepseek_names(hf).items():
-        if name.startswith("layers."):
-            stage, rest = name.removeprefix("layers.").split(".", 1)
-            out[f"mtp.{stage}.{rest}"] = t
-        else:  # final norm, mHC head
-            out[f"mtp.{last}.{name}"] = t
+    out = to_draft_stage_names(hf, last)
     gen = torch.Generator().manual_seed(_seed(seed, "draft-heads"))
     h, r = spec.hidden_size, spec.dspark_markov_rank
 
