@@ -157,7 +157,7 @@ def register() -> None:
         _register()
     except PluginRefusal:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever fails must stop the launch
         import traceback
 
         where = traceback.extract_tb(exc.__traceback__)[-1]
