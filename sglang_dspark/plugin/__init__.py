@@ -59,6 +59,7 @@ def _hooks():
         v4_cpu_moe,
         v4_cpu_norm_rope,
         v4_cpu_rope,
+        v4_validation,
         verify_trace,
     )
 
@@ -77,6 +78,8 @@ def _hooks():
         **verify_trace.HOOKS,
         **cpu_paged_alloc.HOOKS,
         **v4_cpu_defaults.HOOKS,
+        # after v4_cpu_defaults: on the same target, so its check runs first
+        **v4_validation.HOOKS,
         **v4_chat_encoding.HOOKS,
         **v4_cpu_rope.HOOKS,
         **v4_cpu_kv_pool.HOOKS,

@@ -42,7 +42,7 @@ def check_draft(result, server_args) -> None:
     cfg = resolving_view(server_args)
     draft_path = cfg.speculative_draft_model_path
     if draft_path is None or draft_path == cfg.model_path:
-        return  # a draft bundled in the target checkpoint (DeepSeek-V4) is checked upstream
+        return  # a draft bundled in the target checkpoint (DeepSeek-V4): v4_validation
     trust = bool(cfg.trust_remote_code)
     draft = _load_config(draft_path, cfg.speculative_draft_model_revision, trust)
     if draft.get("architectures", [None])[0] not in {

@@ -218,6 +218,8 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
         "(server_args, model_arch)"
     ),
     "sglang.srt.arg_groups.overrides.declare_resolution": "(server_args, source, **fields)",
+    # v4_validation (and apply_deepseek_v4_defaults above)
+    "sglang.srt.arg_groups.pipeline.run_resolution_pipeline": "(server_args)",
     # cpu_paged_last_loc
     "sglang.kernels.ops.memory.common.get_last_loc_triton": (
         "(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)"
@@ -268,6 +270,7 @@ DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
         "sglang.srt.arg_groups.overrides.resolving_view",
         "sglang.srt.arg_groups.overrides.declare_resolution",
     ),
+    "v4_validation": ("sglang.srt.arg_groups.overrides.resolving_view",),
 }
 
 

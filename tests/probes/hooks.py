@@ -962,6 +962,35 @@ def v4_cpu_pinned_lists():
     assert lens.tolist() == [5, 5, 3] and lens.dtype == torch.int32
 
 
+@probe
+def v4_validation():
+    import tempfile
+    from pathlib import Path
+
+    from sglang.srt.server_args import prepare_server_args
+
+    src = Path(os.environ["PROBE_V4"])
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = Path(tmp)
+        for f in src.iterdir():
+            if f.is_file() and f.name != "config.json":
+                (bad / f.name).symlink_to(f.resolve())
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["compress_ratios"] = [0, 8, 128, 4]
+        (bad / "config.json").write_text(json.dumps(cfg))
+        args = prepare_server_args(["--model-path", str(bad), "--device", "cpu"])
+        try:
+            args.resolve_once()
+        except Exception as exc:
+            if "layer 1: 8" in str(exc) and "supports [0, 4, 128]" in str(exc):
+                return
+            raise AssertionError(
+                f"compress_ratios [0, 8, 128, 4]: {type(exc).__name__}: {exc}, no message "
+                "naming the layer and the supported ratios"
+            ) from exc
+    raise AssertionError("compress_ratios [0, 8, 128, 4] resolved without a refusal")
+
+
 def _resolve(draft: str):
     from sglang.srt.server_args import prepare_server_args
 
