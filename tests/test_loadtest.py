@@ -610,11 +610,15 @@ def test_locust_against_a_real_server(embedded_paths, servers, tmp_path):
         assert row["requests"] == len(started) > 0 and row["failures"] == 0
         assert row["output_tokens"] == 16 * len(started)
         # Closed loop, no think time: each user turns out its tokens / its busy time, so the
-        # aggregate is about users x sum(tokens) / sum(latency) (edges: one request per user).
+        # aggregate is about users x sum(tokens) / sum(latency). That holds once each user ran
+        # a few requests in the window; on a machine so busy that a request outlasts much of
+        # the stage, the window's edges dominate and only the upper bound is sure.
         closed_loop = (
             row["users"] * sum(s.output_tokens for s in started) / sum(s.e2e for s in started)
         )
-        assert 0.6 * closed_loop <= row["output_tok_s_total"] <= 1.4 * closed_loop
+        assert 0 < row["output_tok_s_total"] <= 1.4 * closed_loop
+        if len(started) >= 3 * row["users"]:
+            assert 0.6 * closed_loop <= row["output_tok_s_total"]
         assert row["user_tok_s_p50"] > 0 and 0 < row["ttft_p50_s"] < row["e2e_p50_s"]
         assert row["tpot_p50_s"] == pytest.approx(1 / row["user_tok_s_p50"], rel=0.5)
         assert row["itl_p50_s"] > 0  # SGLang streams usage per chunk
