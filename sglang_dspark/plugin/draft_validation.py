@@ -23,7 +23,8 @@ class DraftMismatchError(ValueError):
     """The DSPARK draft cannot serve this target; the message lists why and what to do."""
 
 
-def _load_config(path: str, revision: str | None, trust_remote_code: bool) -> dict:
+def load_config(path: str, revision: str | None, trust_remote_code: bool) -> dict:
+    """A checkpoint's config.json as a dict: read directly when local, else SGLang's get_config."""
     from pathlib import Path
 
     local = Path(path) / "config.json"
@@ -44,14 +45,14 @@ def check_draft(result, server_args) -> None:
     if draft_path is None or draft_path == cfg.model_path:
         return  # a draft bundled in the target checkpoint (DeepSeek-V4): v4_validation
     trust = bool(cfg.trust_remote_code)
-    draft = _load_config(draft_path, cfg.speculative_draft_model_revision, trust)
+    draft = load_config(draft_path, cfg.speculative_draft_model_revision, trust)
     if draft.get("architectures", [None])[0] not in {
         "Qwen3DSparkModel",
         "DSparkDraftModel",
         "LingDSparkModel",
     }:
         return  # other draft families have their own loaders; nothing of ours to check
-    target = _load_config(cfg.model_path, cfg.revision, trust)
+    target = load_config(cfg.model_path, cfg.revision, trust)
     try:
         problems = validate_draft_for_target(
             draft, target, block_size=cfg.speculative_dspark_block_size

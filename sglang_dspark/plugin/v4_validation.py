@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -238,14 +237,9 @@ def _layer_id_problems(ids: Any, layers: int) -> list[str]:
 def _load_config(path: str, revision: str | None, trust_remote_code: bool) -> dict:
     """config.json as a flat dict (a V4.1 `text_config` merged under the top level, as
     SGLang's `normalize_deepseek_v41_config` does)."""
-    local = Path(path) / "config.json"
-    if local.is_file():
-        config = json.loads(local.read_text())
-    else:
-        from sglang.srt.utils.hf_transformers_utils import get_config
+    from sglang_dspark.plugin.draft_validation import load_config
 
-        config = get_config(path, trust_remote_code=trust_remote_code, revision=revision)
-        config = config.to_dict()
+    config = load_config(path, revision, trust_remote_code)
     text = config.get("text_config")
     return {**text, **config} if isinstance(text, dict) else config
 
@@ -262,12 +256,12 @@ def local_tensor_names(path: str | Path) -> set[str] | None:
     files = sorted(root.glob("*.safetensors"))
     if not files:
         return None
+    from safetensors import safe_open
+
     names: set[str] = set()
     for file in files:
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        names.update(k for k in header if k != "__metadata__")
+        with safe_open(str(file), framework="pt") as f:  # reads the header only
+            names.update(f.keys())
     return names
 
 
