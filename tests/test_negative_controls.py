@@ -136,3 +136,21 @@ def test_unknown_broken_mode_is_refused_with_the_valid_modes():
         parse_broken_mode("accept_most")
     assert parse_broken_mode("ratio_scaled:0.7") == ("ratio_scaled", 0.7)
     assert parse_broken_mode(None) == (None, 1.0)
+
+
+def test_break_sampler_file_switches_a_running_process(tmp_path, monkeypatch):
+    """SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE: the mode is read at each call (a missing or empty
+    file is the honest sampler, a bad mode is refused), so a test flips one running server."""
+    from sglang_dspark.plugin.cpu_sampling import broken_sampler_mode
+
+    switch = tmp_path / "break"
+    monkeypatch.setenv("SGLANG_DSPARK_TEST_BREAK_SAMPLER", "accept_all")
+    monkeypatch.setenv("SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE", str(switch))
+    assert broken_sampler_mode() is None  # the file, not the variable, decides
+    switch.write_text("no_renorm\n")
+    assert broken_sampler_mode() == "no_renorm"
+    switch.write_text("")
+    assert broken_sampler_mode() is None
+    switch.write_text("accept_most")
+    with pytest.raises(ValueError, match="unknown broken sampler mode"):
+        broken_sampler_mode()

@@ -2,7 +2,8 @@
 
 The plain server is started once, with the command as a user types it: `--device cpu` and
 the pool sizes, nothing else; the DSPARK server (the checkpoint's bundled draft) after it, for
-the DSPARK tests (greedy, sampled); the plain server's samples are drawn before it stops. The
+the DSPARK tests (greedy one at a time and batched, sampled, and sampled with its sampler
+switched to a broken one); the plain server's samples are drawn before it stops. The
 plugin's V4 hooks (`v4_cpu_*`, `sglang_dspark/plugin/`)
 pick the torch paths (SGLang's own where it has them, `dspark_kernels`' references for the
 compressor, KV store and indexer query) and keep V4's native numerics: bf16 weights and
@@ -44,7 +45,7 @@ import pytest
 import requests
 import torch
 
-from sglang_dspark.losslessness import compare_samples
+from sglang_dspark.losslessness import LosslessnessReport, compare_samples
 from sglang_dspark.server import SGLangServer, free_port
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -122,7 +123,8 @@ def greedy(server, prompts) -> list[dict]:
 SAMPLING = {"temperature": 0.3, "max_new_tokens": 4, "ignore_eos": True}
 SAMPLES = 48  # continuations per prompt and server
 SAMPLED_PROMPTS = 2  # the 5- and 45-token prompts
-MASS_BINS = 4
+MASS_BINS = 4  # per-position tests
+JOINT_MASS_BINS = 2  # the joint test: 8 bin tuples fill at 2 x 48 samples, 64 would not
 POSITIONS = [1, 2, 3]  # 0-based: generated tokens 2..4 (token 1 comes from prefill)
 JOINT = (0, 1, 2)
 ALPHA = 0.001
@@ -241,12 +243,18 @@ def dspark_server(server, greedy, plain_samples, tiny_v4, tmp_path_factory):
     """DSPARK with the checkpoint's bundled draft (random weights), after the plain server is
     stopped (one server at a time; the tests above ran on it, its samples are kept).
     `SGLANG_DSPARK_SPS_PROFILE=0`: the start-up SPS profile's dummy TARGET_VERIFY forward
-    trips the V4 backend's out-loc check (docs/deepseek-v4.md), so the flat table is used."""
+    trips the V4 backend's out-loc check (docs/deepseek-v4.md), so the flat table is used.
+    `srv.break_switch`: the file its sampler reads its test-only broken mode from (empty:
+    honest), so the negative control needs no second start-up."""
     server.stop()
+    log_dir = tmp_path_factory.mktemp("v4-dspark")
+    switch = log_dir / "break-sampler"
     srv = _start(
-        tiny_v4, tmp_path_factory.mktemp("v4-dspark"), extra=["--speculative-algorithm", "DSPARK"],
-        env_extra={"SGLANG_DSPARK_SPS_PROFILE": "0"},
+        tiny_v4, log_dir, extra=["--speculative-algorithm", "DSPARK"],
+        env_extra={"SGLANG_DSPARK_SPS_PROFILE": "0",
+                   "SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE": str(switch)},
     )  # fmt: skip
+    srv.break_switch = switch
     yield srv
     srv.stop()
 
@@ -255,6 +263,17 @@ def dspark_server(server, greedy, plain_samples, tiny_v4, tmp_path_factory):
 def dspark(dspark_server, prompts) -> list[dict]:
     """The prompts through DSPARK one request at a time, greedy."""
     return [_generate(dspark_server, p, logprobs=True) for p in prompts]
+
+
+def test_dspark_batched_requests_match_transformers_float32(dspark_server, prompts, reference):
+    """The four shorter prompts at once through DSPARK: ragged verify windows of requests at
+    different lengths in one batch. Each sequence meets the plain bounds against the float32
+    reference (a batched request may take the other side of a near-tie, as plain ones do), and
+    every request was speculated."""
+    with ThreadPoolExecutor(4) as pool:
+        batched = list(pool.map(lambda p: _generate(dspark_server, p, logprobs=True), prompts[:4]))
+    assert all(r["meta_info"].get("spec_verify_ct", 0) > 0 for r in batched)
+    _check_against_reference(reference, prompts[:4], batched)
 
 
 def _parts_at_near_tie(model, prompt, a: list[int], b: list[int]) -> bool:
@@ -303,10 +322,20 @@ def _mass_bins(model, prompt: list[int], samples: list[list[int]]) -> list[list[
     return (above * MASS_BINS).long().clamp(max=MASS_BINS - 1).tolist()
 
 
-def _sampling_report(model, prompts, test, plain):
+def _sampling_report(model, prompts, test, plain) -> LosslessnessReport:
+    """Per-position tests on MASS_BINS bins and the joint test on JOINT_MASS_BINS (a coarsening:
+    floor(4 m) // 2 = floor(2 m)), one family at ALPHA."""
     test_bins = [_mass_bins(model, p, s) for p, s in zip(prompts, test)]
     plain_bins = [_mass_bins(model, p, s) for p, s in zip(prompts, plain)]
-    return compare_samples(test_bins, plain_bins, POSITIONS, joint_positions=JOINT, alpha=ALPHA)
+    per_position = compare_samples(test_bins, plain_bins, POSITIONS, alpha=ALPHA)
+    step = MASS_BINS // JOINT_MASS_BINS
+    coarse = [
+        [[[b // step for b in seq] for seq in p] for p in bins] for bins in (test_bins, plain_bins)
+    ]
+    joint = compare_samples(*coarse, [], joint_positions=JOINT, alpha=ALPHA)
+    return LosslessnessReport(
+        ALPHA, per_position.tests + joint.tests, skipped=per_position.skipped + joint.skipped
+    )
 
 
 def _collect(server, prompts) -> tuple[list[list[list[int]]], int, int]:
@@ -331,13 +360,30 @@ def test_dspark_sampling_matches_plain_target(dspark_server, prompts, plain_samp
     top-k of 2..8 that is at most q(target's top k), about k / 49152 (none of 480 proposed
     drafts at temperature 0.05 with top-k 4 was accepted, none either greedy on these prompts),
     while at temperature 0.3 the two nearly flat distributions overlap. Required: drafts both
-    accepted and rejected. Measured (2026-12, 48 samples a prompt): 176 of 915 drafts accepted,
-    6 per-position tests, smallest p = 0.099; detectable TV 0.52 per position (power 0.8,
-    `report.detectable_tv`). The joint test finds no category of 10 at this size (64 bin
-    tuples) and is skipped; a negative control on a broken-sampler server is not in yet."""
+    accepted and rejected. Measured (2026-12, 48 samples a prompt, before the joint test): 176
+    of 915 drafts accepted, 6 per-position tests, smallest p = 0.099; detectable TV 0.52 per
+    position (power 0.8, `report.detectable_tv`). The joint test bins the three tokens by halves of the mass (8
+    tuples; quarters would give 64, too many to fill at this size). The negative control is
+    `test_broken_sampler_fails_the_same_test`."""
     samples, correct, proposed = _collect(dspark_server, prompts[:SAMPLED_PROMPTS])
     assert 0 < correct < proposed, f"{correct} of {proposed} drafts accepted"
     report = _sampling_report(reference, prompts[:SAMPLED_PROMPTS], samples, plain_samples)
     print(f"DSPARK sampling: {correct} of {proposed} drafts accepted; {report.summary()}")
     assert len(report.tests) >= SAMPLED_PROMPTS * len(POSITIONS), report.summary()
+    assert any(t.joint for t in report.tests), report.summary()
     assert report.passed, report.summary()
+
+
+def test_broken_sampler_fails_the_same_test(dspark_server, prompts, plain_samples, reference):
+    """Negative control on the same server: with its sampler switched to keep every draft
+    (`accept_all`), the continuations are the random draft's own tokens, which fall in the
+    target's improbable mass; the comparison above must fail."""
+    dspark_server.break_switch.write_text("accept_all")
+    try:
+        samples, correct, proposed = _collect(dspark_server, prompts[:SAMPLED_PROMPTS])
+    finally:
+        dspark_server.break_switch.write_text("")
+    report = _sampling_report(reference, prompts[:SAMPLED_PROMPTS], samples, plain_samples)
+    print(f"DSPARK accept_all: {correct} of {proposed} drafts kept; {report.summary()}")
+    assert correct > 0.5 * proposed > 0, (correct, proposed)  # honest: about 0.2
+    assert not report.passed, report.summary()

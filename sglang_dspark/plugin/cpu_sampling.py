@@ -11,11 +11,16 @@ losslessness tests and `sglang-dspark audit` can show that they catch a broken s
 replacement drawn from max(0, p_t - p_d) without renormalising), `bonus_from_draft` (the bonus
 token from the last draft distribution), `ratio_scaled[:C]` (acceptance ratio times C, 1.3 by
 default). An unknown mode raises at the first verification.
+
+`SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE=PATH` (tests only) reads the mode from PATH at every
+verification instead (missing or empty file: the honest sampler), so one running server can be
+sampled honest and then broken, without a second start-up.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from sglang_dspark.plugin.registry import register_around
 
@@ -23,10 +28,17 @@ TARGET = "sglang.kernels.ops.speculative.dspark.dspark_accept.chain_speculative_
 
 
 def broken_sampler_mode() -> str | None:
-    """SGLANG_DSPARK_TEST_BREAK_SAMPLER, validated (ValueError names the valid modes)."""
+    """SGLANG_DSPARK_TEST_BREAK_SAMPLER (or the mode in SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE,
+    read now), validated (ValueError names the valid modes)."""
     from sglang_dspark.rejection import parse_broken_mode
 
     mode = os.environ.get("SGLANG_DSPARK_TEST_BREAK_SAMPLER") or None
+    path = os.environ.get("SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE")
+    if path:
+        try:
+            mode = Path(path).read_text().strip() or None
+        except FileNotFoundError:
+            mode = None
     parse_broken_mode(mode)
     return mode
 
