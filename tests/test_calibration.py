@@ -377,3 +377,37 @@ def test_cli_heldout_data_from_other_prompts(tmp_path, capsys):
     assert metrics["heldout"]["mean_cumulative_ece_after"] < metrics["heldout"][
         "mean_cumulative_ece_before"]
     assert "STS on held-out rows (8000)" in capsys.readouterr().out
+
+
+def test_cli_baseline_is_scored_on_the_same_heldout_rows(tmp_path, capsys):
+    """--baseline OLD: the old file's temperatures on the same held-out rows beside the new fit
+    (an identity file, T = 1, scores exactly the "before" column); a file for another block size
+    or a broken file is refused with what was wrong."""
+    for name, seed, n in (("fit", 21, 20_000), ("held", 22, 8_000)):
+        logits, _, n_acc = synthetic_blocks(n, 3, seed=seed)
+        d = blocks_to_data(logits, n_acc)
+        save_sts_data(tmp_path / f"{name}.npz", d.logits, d.accepted, d.valid)
+    identity = tmp_path / "identity.json"
+    identity.write_text(DSparkStsCalibration(temperatures=[1.0, 1.0, 1.0]).to_json())
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--data", str(tmp_path / "fit.npz"), "--heldout-data", str(tmp_path / "held.npz"),
+            "--out", str(tmp_path / "sts.json")]  # fmt: skip
+    assert run(parser.parse_args([*argv, "--baseline", str(identity)])) == 0
+    metrics = json.loads((tmp_path / "sts.metrics.json").read_text())
+    base, held = metrics["baseline"], metrics["heldout"]
+    assert base["path"] == str(identity) and base["num_samples"] == 8_000
+    assert base["mean_cumulative_ece_after"] == pytest.approx(held["mean_cumulative_ece_before"])
+    assert held["mean_cumulative_ece_after"] < base["mean_cumulative_ece_after"]
+    assert f"baseline {identity} on the same rows" in capsys.readouterr().out
+
+    other = tmp_path / "gamma7.json"
+    other.write_text(DSparkStsCalibration(temperatures=[1.0] * 7).to_json())
+    with pytest.raises(ValueError, match="7 temperatures but the data has gamma=3"):
+        run(parser.parse_args([*argv, "--baseline", str(other)]))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"temperatures": [1.0, -2.0, 1.0]')
+    with pytest.raises(ValueError, match="is not an SGLang STS file"):
+        run(parser.parse_args([*argv, "--baseline", str(broken)]))
+    with pytest.raises(ValueError, match="no such file"):
+        run(parser.parse_args([*argv, "--baseline", str(tmp_path / "missing.json")]))

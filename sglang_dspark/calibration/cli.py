@@ -15,7 +15,13 @@ import torch
 from sglang.srt.speculative.dspark_components.dspark_sts import DSparkStsCalibration
 
 from .data import StsData, load_data
-from .sts import DEFAULT_NUM_BINS, apply_temperatures, calibrate, expected_calibration_error
+from .sts import (
+    DEFAULT_NUM_BINS,
+    apply_temperatures,
+    calibrate,
+    evaluate,
+    expected_calibration_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +109,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="held-out split seed")
     parser.add_argument("--gamma", type=int, default=None,
                         help="fail unless the data has this block size")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="STS_JSON",
+                        help="an existing STS file (e.g. the one in use) scored on the same "
+                        "held-out rows, to decide whether the new fit replaces it")
+
+
+def load_baseline(path: Path, gamma: int) -> list[float]:
+    """The temperatures of SGLang STS file `path`; ValueError naming the problem otherwise."""
+    try:
+        calibration = DSparkStsCalibration.from_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"--baseline {path}: no such file") from None
+    except (ValueError, TypeError, KeyError) as exc:  # bad JSON, missing or bad fields
+        raise ValueError(f"--baseline {path} is not an SGLang STS file ({exc})") from None
+    if len(calibration.temperatures) != gamma:
+        raise ValueError(
+            f"--baseline {path} has {len(calibration.temperatures)} temperatures but the data "
+            f"has gamma={gamma}: it calibrates another block size"
+        )
+    return list(calibration.temperatures)
 
 
 def run(args: argparse.Namespace) -> int:
     data = load_data(args.data)
+    baseline = load_baseline(args.baseline, data.gamma) if args.baseline else None
     if args.gamma is not None and args.gamma != data.gamma:
         raise ValueError(f"the data has gamma={data.gamma} but --gamma {args.gamma} was given; "
                          "collect data with the serving block size")
@@ -115,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
     heldout = load_data(args.heldout_data) if args.heldout_data else None
     result = calibrate(data, args.heldout_fraction, args.num_bins, args.seed,
                        dataset=" ".join(args.data), heldout_data=heldout)
+    if baseline is not None:
+        scored = evaluate(baseline, result.heldout or data, args.num_bins)
+        result.metrics["baseline"] = {"path": str(args.baseline), **scored}
     write_calibration(result.calibration, args.out)
     metrics_path = args.metrics or args.out.with_suffix(".metrics.json")
     write_metrics(result.metrics, metrics_path)
@@ -133,5 +162,11 @@ def run(args: argparse.Namespace) -> int:
               f"{cum['after']['brier']:>10.4f}")
     print(f"mean ECE of a_k: {100 * shown['mean_cumulative_ece_before']:.2f}% -> "
           f"{100 * shown['mean_cumulative_ece_after']:.2f}%")
+    if baseline is not None:
+        old = result.metrics["baseline"]
+        per_position = " ".join(f"{100 * p['cumulative']['after']['ece']:.2f}%"
+                                for p in old["positions"])
+        print(f"baseline {args.baseline} on the same rows: mean ECE of a_k "
+              f"{100 * old['mean_cumulative_ece_after']:.2f}% (per position: {per_position})")
     print(f"wrote {args.out} and {metrics_path}" + (f" and {args.plot}" if args.plot else ""))
     return 0
