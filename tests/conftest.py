@@ -8,6 +8,7 @@ at once (each idle one sleeps: `--sleep-on-idle`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,9 @@ class ServerPool:
             field = "mtp1_draft" if arm == "mtp1" else "draft"
             paths = replace(paths, **{field: Path(draft)})
         port = free_port()
+        switch = self.log_dir / f"break-sampler-{port}"
+        if speculative and "SGLANG_DSPARK_TEST_BREAK_SAMPLER" not in env:
+            env["SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE"] = str(switch)
         server = SGLangServer(
             cmd=embedded.launch_command(
                 paths, port=port, dtype=dtype, speculative=speculative, arm=arm, extra=list(extra)
@@ -64,8 +68,21 @@ class ServerPool:
             log_path=self.log_dir / f"server-{port}.log",
         )
         server.start()
+        server.break_switch = switch
         self.live[key] = server
         return server
+
+    @staticmethod
+    @contextmanager
+    def broken(server, mode: str):
+        """`server` (a speculative one from `get`) with its sampler switched to the test-only
+        broken `mode` inside the block (SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE, read at each
+        verification), honest again after it: a negative control without a second start-up."""
+        server.break_switch.write_text(mode)
+        try:
+            yield server
+        finally:
+            server.break_switch.write_text("")
 
     def stop_all(self):
         for server in self.live.values():

@@ -616,7 +616,9 @@ def test_locust_against_a_real_server(embedded_paths, servers, tmp_path):
         closed_loop = (
             row["users"] * sum(s.output_tokens for s in started) / sum(s.e2e for s in started)
         )
-        assert 0 < row["output_tok_s_total"] <= 1.4 * closed_loop
+        # (A stage whose requests stream no token inside the window, e.g. a TTFT of 13 s in a
+        # 12 s stage on an overloaded machine, reads 0 tok/s, which is then the right answer.)
+        assert 0 <= row["output_tok_s_total"] <= 1.4 * closed_loop
         if len(started) >= 3 * row["users"]:
             assert 0.6 * closed_loop <= row["output_tok_s_total"]
         assert row["user_tok_s_p50"] > 0 and 0 < row["ttft_p50_s"] < row["e2e_p50_s"]

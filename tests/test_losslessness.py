@@ -4,10 +4,11 @@ For a few prompts we draw many short continuations from the embedded server with
 DSPARK and compare, per prompt, the token distributions at generated positions 2..4 (position 1
 comes from prefill, not from speculation) and the joint distribution of the first three tokens,
 with chi-square tests at a family-wise false-alarm rate of 0.1% (sglang_dspark.losslessness). The
-same tests must fail on a server whose sampler keeps every draft token
-(SGLANG_DSPARK_TEST_BREAK_SAMPLER=accept_all); `sglang-dspark audit` must fail on a server whose
-replacement token comes from the unrenormalised residual (`no_renorm`) and on a server that
-does not speculate at all. Which broken samplers these sample sizes catch, and which they cannot, is
+same tests must fail when the server's sampler keeps every draft token (`accept_all`);
+`sglang-dspark audit` must fail when its replacement token comes from the unrenormalised residual
+(`no_renorm`) and on a server that does not speculate at all. The broken samplers are the same
+running servers switched through SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE (`servers.broken`), so
+the file needs three servers: plain, DSPARK and MTP-1. Which broken samplers these sample sizes catch, and which they cannot, is
 worked out without a server in tests/test_negative_controls.py.
 """
 
@@ -31,34 +32,48 @@ PROMPTS = [
 # per test run, which one CI run hit (p = 0.00075 < 0.00083); 960 samples of the same servers then
 # found no difference (smallest p = 0.12).
 SAMPLES = 320
+# A broken sampler moves the marginals far more (accept_all: about 1 - acceptance, TV ~ 0.5):
+# 120 samples against the reference's 320 detect TV >= 0.35 with power 0.8 at each test.
+BROKEN_SAMPLES = 120
 ALPHA = 0.001
 NEW_TOKENS = 4
 POSITIONS = [1, 2, 3]  # 0-based: generated tokens 2..4
 JOINT = (0, 1, 2)  # the first three generated tokens as one category
 
 
-def _sample(server, prompt_ids: list[int]) -> tuple[list[list[int]], dict]:
+def _sample(server, prompt_ids: list[int], n: int = SAMPLES) -> tuple[list[list[int]], dict]:
     body = {
-        "input_ids": [prompt_ids] * SAMPLES,
+        "input_ids": [prompt_ids] * n,
         "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True},
     }
     out = requests.post(server.base_url + "/generate", json=body, timeout=1800)
     out.raise_for_status()
     rows = out.json()
+    meta = [r["meta_info"] for r in rows]
     stats = {
-        "correct": sum(r["meta_info"].get("spec_num_correct_drafts", 0) for r in rows),
-        "proposed": sum(r["meta_info"].get("spec_num_proposed_drafts", 0) for r in rows),
+        "correct": sum(m.get("spec_num_correct_drafts", 0) for m in meta),
+        "proposed": sum(m.get("spec_num_proposed_drafts", 0) for m in meta),
+        # drafts in the verified windows: SGLang's cap length counts a window's tokens, the
+        # drafts and the one position after them (`verify_lens`)
+        "verified": sum(
+            round(m.get("spec_cap_length", 0) * m.get("spec_verify_ct", 0))
+            - m.get("spec_verify_ct", 0)
+            for m in meta
+        ),
     }
     return [r["output_ids"] for r in rows], stats
 
 
-def _collect(server, prompts):
-    samples, correct, proposed = [], 0, 0
+def _collect(server, prompts, with_verified: bool = False, n: int = SAMPLES):
+    samples, correct, proposed, verified = [], 0, 0, 0
     for ids in prompts:
-        s, st = _sample(server, ids)
+        s, st = _sample(server, ids, n)
         samples.append(s)
         correct += st["correct"]
         proposed += st["proposed"]
+        verified += st["verified"]
+    if with_verified:
+        return samples, correct, proposed, verified
     return samples, correct, proposed
 
 
@@ -89,15 +104,14 @@ def test_dspark_temperature_1_matches_target_distribution(
 
 
 def test_broken_sampler_fails_the_same_test(servers, embedded_paths, prompt_ids, reference):
-    # static mode verifies every proposed draft, so "every draft kept" is visible in the counts
-    # (under sync scheduling only the drafts in each trimmed window can be kept; the audit test
-    # below breaks the sampler of the scheduling server)
-    broken = servers.get(
-        embedded_paths,
-        env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all", "SGLANG_DSPARK_SCHEDULER": "static"},
-    )
-    samples, correct, proposed = _collect(broken, prompt_ids)
-    assert correct == proposed  # every draft kept
+    """The same server with its sampler switched to keep every draft: every draft of every
+    scheduled window is kept (sync scheduling verifies a trimmed window, so the proposed count,
+    gamma per round, is larger), and the same tests fail."""
+    with servers.broken(servers.get(embedded_paths), "accept_all") as broken:
+        samples, correct, proposed, verified = _collect(
+            broken, prompt_ids, with_verified=True, n=BROKEN_SAMPLES
+        )
+    assert 0 < correct == verified <= proposed, (correct, verified, proposed)
     report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=ALPHA)
     assert not report.passed, report.summary()
 
@@ -114,10 +128,8 @@ def test_mtp1_baseline_temperature_1_matches_target_and_broken_sampler_does_not(
     assert len(report.tests) >= 6
     assert any(t.joint for t in report.tests), report.summary()
     assert report.passed, report.summary()
-    broken = servers.get(
-        embedded_paths, arm="mtp1", env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all"}
-    )
-    samples, correct, proposed = _collect(broken, prompt_ids)
+    with servers.broken(servers.get(embedded_paths, arm="mtp1"), "accept_all") as broken:
+        samples, correct, proposed = _collect(broken, prompt_ids, n=BROKEN_SAMPLES)
     assert correct == proposed  # every draft kept
     report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=ALPHA)
     assert not report.passed, report.summary()
@@ -156,7 +168,7 @@ def test_audit_command_passes_on_dspark_and_fails_on_broken_sampler(servers, emb
     assert "LOSSLESS" in ok.stdout and "NOT LOSSLESS" not in ok.stdout
     assert "detects with power 0.8: per position TV >= " in ok.stdout
     assert "avg_spec_accept_length" in ok.stdout
-    broken = servers.get(embedded_paths, env={"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "no_renorm"})
-    bad = _audit(broken.base_url, reference.base_url)
+    with servers.broken(good, "no_renorm"):
+        bad = _audit(good.base_url, reference.base_url)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "NOT LOSSLESS" in bad.stdout and "temperature 1: FAIL" in bad.stdout

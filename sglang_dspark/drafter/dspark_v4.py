@@ -69,7 +69,7 @@ from torch import nn
 from .confidence import ConfidenceHead
 from .config import DraftConfigError, _as_dict, default_mask_token_id
 from .markov_head import VanillaMarkov
-from .model import BlockLayout, SharedVocab
+from .model import BlockLayout, DrafterHeads, SharedVocab
 
 logger = logging.getLogger(__name__)
 
@@ -374,10 +374,12 @@ class V4ConfidenceHead(ConfidenceHead):
         self.proj = nn.Linear(self.proj.in_features, 1, bias=False)
 
 
-class DSparkV4Drafter(nn.Module):
+class DSparkV4Drafter(DrafterHeads, nn.Module):
     """m V4 stages + hc head + final norm, ``main_proj`` / ``main_norm``, Markov and
     confidence heads. Parameter names are transformers' (``layers.{s}.self_attn.kv_proj``,
     ...); ``train_v4.draft_tensors`` renames them to SGLang's ``mtp.{s}.…``."""
+
+    drafter_name = "V4 drafter"
 
     def __init__(self, config: V4DraftConfig) -> None:
         super().__init__()
@@ -412,20 +414,6 @@ class DSparkV4Drafter(nn.Module):
             else None
         )
         self.shared: SharedVocab | None = None  # plain attribute: never in state_dict
-
-    # ------------------------------------------------------------------ shared vocab
-    def attach_shared(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        self.shared = SharedVocab.checked(
-            embed_weight, lm_head_weight, vocab_size=self.config.vocab_size,
-            hidden_size=self.config.hidden_size, drafter="V4 drafter",
-        )  # fmt: skip
-
-    def _require_shared(self) -> SharedVocab:
-        if self.shared is None:
-            raise RuntimeError(
-                "the drafter has no target embedding / LM head; call attach_shared() first"
-            )
-        return self.shared
 
     # ------------------------------------------------------------------ parallel stage
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
@@ -497,22 +485,6 @@ class DSparkV4Drafter(nn.Module):
         """U_k = lm_head(norm(x_post_hc_k)) through the target's frozen LM head."""
         w = self._require_shared().lm_head_weight
         return F.linear(self.norm(hidden).to(w.dtype), w)
-
-    # ------------------------------------------------------------------ sequential stage
-    def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced U_k + B_k: prev_tokens [B, gamma] = (x_0=anchor, x_1, ..)."""
-        return self.base_logits(hidden) + self.markov_head.block_bias(prev_tokens, hidden)
-
-    def confidence_logits(
-        self, hidden: torch.Tensor, prev_tokens: torch.Tensor
-    ) -> torch.Tensor | None:
-        if self.confidence_head is None:
-            return None
-        prev = self.markov_head.prev_embeddings(prev_tokens)
-        return self.confidence_head(hidden, prev if self.confidence_head.with_markov else None)
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.state_dict().items()}
 
 
 @torch.no_grad()

@@ -206,7 +206,47 @@ class SharedVocab:
         return cls(embed_weight.detach(), lm_head_weight.detach())
 
 
-class DSparkDrafter(nn.Module):
+class DrafterHeads:
+    """What every drafter over the target's vocabulary shares, whatever its backbone: the
+    target's embedding and LM head (attached, never in state_dict), the sequential stage (U_k +
+    the Markov bias B_k) and the confidence head. A subclass sets ``config``, ``markov_head``,
+    ``confidence_head`` and ``shared`` and defines ``base_logits``."""
+
+    drafter_name = "drafter"  # how errors about the shared vocab name it
+
+    def attach_shared(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        self.shared = SharedVocab.checked(
+            embed_weight, lm_head_weight, vocab_size=self.config.vocab_size,
+            hidden_size=self.config.hidden_size, drafter=self.drafter_name,
+        )  # fmt: skip
+
+    def _require_shared(self) -> SharedVocab:
+        if self.shared is None:
+            raise RuntimeError(
+                "the drafter has no target embedding / LM head; call attach_shared() first"
+            )
+        return self.shared
+
+    # ------------------------------------------------------------------ sequential stage
+    def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced U_k + B_k: prev_tokens [B, gamma] = (x_0=anchor, x_1, ..)."""
+        return self.base_logits(hidden) + self.markov_head.block_bias(prev_tokens, hidden)
+
+    def confidence_logits(
+        self, hidden: torch.Tensor, prev_tokens: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Raw logits of c_k [B, gamma] (None without a confidence head)."""
+        if self.confidence_head is None:
+            return None
+        prev = self.markov_head.prev_embeddings(prev_tokens)
+        return self.confidence_head(hidden, prev if self.confidence_head.with_markov else None)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """What gets exported: everything but the (never registered) shared vocab."""
+        return {k: v.detach() for k, v in self.state_dict().items()}
+
+
+class DSparkDrafter(DrafterHeads, nn.Module):
     """Backbone + Markov head + confidence head; state_dict names are SGLang's."""
 
     def __init__(self, config: DSparkDraftConfig) -> None:
@@ -237,20 +277,6 @@ class DSparkDrafter(nn.Module):
         )
         self.shared: SharedVocab | None = None  # plain attribute: never in state_dict
 
-    # ------------------------------------------------------------------ shared vocab
-    def attach_shared(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        self.shared = SharedVocab.checked(
-            embed_weight, lm_head_weight, vocab_size=self.config.vocab_size,
-            hidden_size=self.config.hidden_size, drafter="drafter",
-        )  # fmt: skip
-
-    def _require_shared(self) -> SharedVocab:
-        if self.shared is None:
-            raise RuntimeError(
-                "the drafter has no target embedding / LM head; call attach_shared() first"
-            )
-        return self.shared
-
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self._require_shared().embed_weight)
 
@@ -280,24 +306,6 @@ class DSparkDrafter(nn.Module):
         """U_k = h_k W_lm^T through the target's frozen LM head."""
         w = self._require_shared().lm_head_weight
         return F.linear(hidden.to(w.dtype), w)
-
-    # ------------------------------------------------------------------ sequential stage
-    def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced U_k + B_k: prev_tokens [B, gamma] = (x_0=anchor, x_1, ..)."""
-        return self.base_logits(hidden) + self.markov_head.block_bias(prev_tokens, hidden)
-
-    def confidence_logits(
-        self, hidden: torch.Tensor, prev_tokens: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Raw logits of c_k [B, gamma] (None without a confidence head)."""
-        if self.confidence_head is None:
-            return None
-        prev = self.markov_head.prev_embeddings(prev_tokens)
-        return self.confidence_head(hidden, prev if self.confidence_head.with_markov else None)
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """What gets exported: everything but the (never registered) shared vocab."""
-        return {k: v.detach() for k, v in self.state_dict().items()}
 
 
 @torch.no_grad()
