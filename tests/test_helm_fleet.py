@@ -421,19 +421,44 @@ def test_prefetch_job_fills_one_volume_that_servers_mount_read_only(profile):
         assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
-def test_prefetch_job_name_follows_the_models_only(tmp_path):
+def test_prefetch_job_is_renamed_whenever_its_immutable_pod_template_changes(tmp_path):
+    """Kubernetes refuses any change to a Job's spec.template, so `helm upgrade` fails unless a
+    changed template comes with a new Job name: same name must mean the same template."""
     base = PROFILES["qwen3-8b-dspark"]
 
-    def job_name(values):
+    def job(values):
         docs = render_overlay(tmp_path, values, base)
-        return next(d for d in docs if d["kind"] == "Job")["metadata"]["name"]
+        (j,) = [d for d in docs if d["kind"] == "Job"]
+        return j["metadata"]["name"], j["spec"]["template"]
 
-    first = job_name({})
-    # a server change that keeps the models: the same (immutable) Job, no new download
-    assert job_name({"server": {"maxRunningRequests": 32, "replicas": 3}}) == first
-    # a new revision: a new Job
     sha = "0123456789abcdef0123456789abcdef01234567"
-    assert job_name({"models": {"target": {"revision": sha}}}) != first
+    variants = {
+        "as installed": {},
+        # server changes that leave the Job's pod alone
+        "server": {"server": {"maxRunningRequests": 32, "replicas": 3}},
+        "router": {"router": {"replicas": 1}},
+        # changes of the Job's pod itself
+        "new revision": {"models": {"target": {"revision": sha}}},
+        "new image tag": {"image": {"tag": "0.1.1"}},
+        "download image": {"models": {"download": {"image": {"repository": "hf", "tag": "1"}}}},
+        "download resources": {"models": {"download": {"resources": {"requests": {"cpu": "2"}}}}},
+        "token secret": {"models": {"download": {"hfTokenSecret": {"name": "hf"}}}},
+        "pull secrets": {"imagePullSecrets": [{"name": "registry"}]},
+        "node selector": {"models": {"prefetch": {"nodeSelector": {"pool": "cpu"}}}},
+    }
+    rendered = {label: job(values) for label, values in variants.items()}
+    by_name: dict[str, list[str]] = {}
+    for label, (name, _) in rendered.items():
+        by_name.setdefault(name, []).append(label)
+    for labels in by_name.values():
+        templates = [rendered[label][1] for label in labels]
+        assert all(t == templates[0] for t in templates), labels  # one name, one template
+    first = rendered["as installed"][0]
+    # a server or router change keeps the same Job (nothing to re-run, nothing to patch)
+    assert rendered["server"][0] == rendered["router"][0] == first
+    # every change of the pod template is a new Job
+    changed = [label for label in variants if label not in ("as installed", "server", "router")]
+    assert len({rendered[label][0] for label in changed} | {first}) == len(changed) + 1
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))
