@@ -820,6 +820,64 @@ def test_keda_needs_metrics_and_service_discovery(tmp_path):
     )
 
 
+def test_keda_selects_series_the_chart_knows_are_labelled_so(tmp_path):
+    keda = {"autoscaling": {"enabled": True, "engine": "keda"}}
+    # job=<release> exists only on series scraped by the chart's ServiceMonitor: without it
+    # the triggers would read nothing and never scale
+    err = fails(tmp_path, keda)
+    assert "set monitoring.serviceMonitor.enabled=true" in err, err
+    assert "autoscaling.keda.seriesSelector" in err, err
+    selector = 'namespace="llm", app_kubernetes_io_instance="dspark"'
+    docs = render_overlay(
+        tmp_path, {"autoscaling": {**keda["autoscaling"], "keda": {"seriesSelector": selector}}}
+    )
+    so = find(docs, "ScaledObject")
+    validate_crd(so)
+    assert {t["metadata"]["query"] for t in so["spec"]["triggers"]} == {
+        f"sum(sglang:num_queue_reqs{{{selector}}})",
+        f"sum(sglang:num_running_reqs{{{selector}}})",
+    }
+    assert not [d for d in docs if d["kind"] == "ServiceMonitor"]
+
+
+def test_hpa_scales_on_both_targets_unless_given_its_own_metrics(tmp_path):
+    def hpa_metrics(values):
+        docs = render_overlay(tmp_path, {"autoscaling": {"enabled": True, **values}})
+        return {
+            m["pods"]["metric"]["name"]: m["pods"]["target"]
+            for m in find(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
+        }
+
+    # the same two targets KEDA uses, per replica
+    assert hpa_metrics({"targetQueueLength": 3, "targetRunningRequests": 20}) == {
+        "sglang_num_queue_reqs": {"type": "AverageValue", "averageValue": "3"},
+        "sglang_num_running_reqs": {"type": "AverageValue", "averageValue": "20"},
+    }
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["autoscaling"]
+    assert hpa_metrics({}) == {
+        "sglang_num_queue_reqs": {
+            "type": "AverageValue",
+            "averageValue": str(defaults["targetQueueLength"]),
+        },
+        "sglang_num_running_reqs": {
+            "type": "AverageValue",
+            "averageValue": str(defaults["targetRunningRequests"]),
+        },
+    }
+    own = [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "sglang_num_running_reqs"},
+                "target": {"type": "AverageValue", "averageValue": "32"},
+            },
+        }
+    ]
+    assert hpa_metrics({"metrics": own}) == {
+        "sglang_num_running_reqs": {"type": "AverageValue", "averageValue": "32"}
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # 4. A/B in the cluster: dashboard per release, comparison Job, report
 

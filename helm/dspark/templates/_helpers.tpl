@@ -313,6 +313,9 @@ maxUnavailable: 1
 {{- if and .Values.autoscaling.enabled (eq .Values.autoscaling.engine "keda") (not .Values.monitoring.enableMetrics) }}
 {{- fail "autoscaling.engine=keda reads SGLang's Prometheus gauges: it needs monitoring.enableMetrics=true" }}
 {{- end }}
+{{- if and .Values.autoscaling.enabled (eq .Values.autoscaling.engine "keda") (not .Values.autoscaling.keda.seriesSelector) (not .Values.monitoring.serviceMonitor.enabled) }}
+{{- fail (printf "autoscaling.engine=keda queries SGLang's gauges with job=%q, the label the chart's ServiceMonitor gives them: set monitoring.serviceMonitor.enabled=true, or autoscaling.keda.seriesSelector to the labels your Prometheus gives this release's server series" .Release.Name) }}
+{{- end }}
 {{- if and (eq $s.cache.storage "persistentVolumeClaim") (not $s.cache.existingClaim) }}
 {{- fail "server.cache.storage=persistentVolumeClaim needs server.cache.existingClaim (a ReadWriteMany claim shared by the server pods)" }}
 {{- end }}
