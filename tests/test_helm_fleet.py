@@ -942,6 +942,27 @@ def _wait_ready_module():
     return module
 
 
+def test_loadtest_capacity_is_the_fleet_a_run_starts_on(tmp_path):
+    def run(values):
+        base = {"loadtest": {"enabled": True}, "server": {"maxRunningRequests": 16}}
+        docs = render_overlay(tmp_path, {**base, **values})
+        pod = loadtest_pod(docs)["spec"]
+        users = env_of(pod["initContainers"][1])["SLA_USERS"]["value"]
+        replicas = env_of(pod["containers"][0])["REPLICAS"]["value"]
+        return users, replicas
+
+    assert run({"server": {"maxRunningRequests": 16, "replicas": 2}}) == ("1,2,4,8,16,32", "2")
+    # with an autoscaler server.replicas is not the fleet: a run starts on its minimum
+    autoscaled = {
+        "server": {"maxRunningRequests": 16, "replicas": 1},
+        "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 6},
+    }
+    assert run(autoscaled) == ("1,2,4,8,16,32,48", "3")
+    notes = _notes(values_file(tmp_path, {**autoscaled, "loadtest": {"enabled": True}}))
+    assert "autoscaling is on, so the fleet can grow during a run" in notes
+    assert "fleet can grow" not in _notes(values_file(tmp_path, {"loadtest": {"enabled": True}}))
+
+
 def test_wait_ready_waits_for_every_replica_of_every_arm():
     wait_ready = _wait_ready_module()
 

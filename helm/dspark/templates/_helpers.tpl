@@ -200,14 +200,16 @@ maxUnavailable: 1
 {{- else }}None{{ end }}
 {{- end }}
 
-{{/* Concurrency levels of the load test: loadtest.users, or 1, 2, 4, ... up to capacity. */}}
+{{/* Concurrency levels of the load test: loadtest.users, or 1, 2, 4, ... up to capacity
+(server.maxRunningRequests x the replicas a run starts on). */}}
 {{- define "dspark.loadtestUsers" -}}
 {{- if .Values.loadtest.users }}
 {{- .Values.loadtest.users }}
 {{- else }}
 {{- $perReplica := 48 }}
 {{- if not (kindIs "invalid" .Values.server.maxRunningRequests) }}{{ $perReplica = int .Values.server.maxRunningRequests }}{{ end }}
-{{- $cap := mul $perReplica (max 1 (int .Values.server.replicas)) }}
+{{- /* the fleet a run starts on: server.replicas, or the autoscaler's minimum */}}
+{{- $cap := mul $perReplica (max 1 (include "dspark.minReplicas" . | int)) }}
 {{- $levels := list }}
 {{- $u := 1 }}
 {{- range until 20 }}
