@@ -64,7 +64,8 @@ def _sample(server, prompt_ids: list[int], n: int = SAMPLES) -> tuple[list[list[
     return [r["output_ids"] for r in rows], stats
 
 
-def _collect(server, prompts, with_verified: bool = False, n: int = SAMPLES):
+def _collect(server, prompts, n: int = SAMPLES):
+    """(samples per prompt, drafts accepted, proposed, in verified windows), summed."""
     samples, correct, proposed, verified = [], 0, 0, 0
     for ids in prompts:
         s, st = _sample(server, ids, n)
@@ -72,9 +73,7 @@ def _collect(server, prompts, with_verified: bool = False, n: int = SAMPLES):
         correct += st["correct"]
         proposed += st["proposed"]
         verified += st["verified"]
-    if with_verified:
-        return samples, correct, proposed, verified
-    return samples, correct, proposed
+    return samples, correct, proposed, verified
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +86,14 @@ def prompt_ids(embedded_paths):
 
 @pytest.fixture(scope="module")
 def reference(servers, embedded_paths, prompt_ids):
-    samples, _, _ = _collect(servers.get(embedded_paths, speculative=False), prompt_ids)
+    samples, *_ = _collect(servers.get(embedded_paths, speculative=False), prompt_ids)
     return samples
 
 
 def test_dspark_temperature_1_matches_target_distribution(
     servers, embedded_paths, prompt_ids, reference
 ):
-    samples, correct, proposed = _collect(servers.get(embedded_paths), prompt_ids)
+    samples, correct, proposed, _ = _collect(servers.get(embedded_paths), prompt_ids)
     # drafts must be both accepted and rejected, or the test exercises nothing
     assert 0 < correct < proposed, f"{correct} of {proposed} drafts accepted"
     report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=ALPHA)
@@ -108,9 +107,7 @@ def test_broken_sampler_fails_the_same_test(servers, embedded_paths, prompt_ids,
     scheduled window is kept (sync scheduling verifies a trimmed window, so the proposed count,
     gamma per round, is larger), and the same tests fail."""
     with servers.broken(servers.get(embedded_paths), "accept_all") as broken:
-        samples, correct, proposed, verified = _collect(
-            broken, prompt_ids, with_verified=True, n=BROKEN_SAMPLES
-        )
+        samples, correct, proposed, verified = _collect(broken, prompt_ids, n=BROKEN_SAMPLES)
     assert 0 < correct == verified <= proposed, (correct, verified, proposed)
     report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=ALPHA)
     assert not report.passed, report.summary()
@@ -122,14 +119,14 @@ def test_mtp1_baseline_temperature_1_matches_target_and_broken_sampler_does_not(
     """The MTP-1 baseline on CPU verifies temperature-1 requests by target-only rejection
     sampling (upstream forces the target's argmax on CPU): the same per-position tests pass,
     and fail when the sampler keeps every draft."""
-    samples, correct, proposed = _collect(servers.get(embedded_paths, arm="mtp1"), prompt_ids)
+    samples, correct, proposed, _ = _collect(servers.get(embedded_paths, arm="mtp1"), prompt_ids)
     assert 0 < correct < proposed, f"{correct} of {proposed} drafts accepted"
     report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=ALPHA)
     assert len(report.tests) >= 6
     assert any(t.joint for t in report.tests), report.summary()
     assert report.passed, report.summary()
     with servers.broken(servers.get(embedded_paths, arm="mtp1"), "accept_all") as broken:
-        samples, correct, proposed = _collect(broken, prompt_ids, n=BROKEN_SAMPLES)
+        samples, correct, proposed, _ = _collect(broken, prompt_ids, n=BROKEN_SAMPLES)
     assert correct == proposed  # every draft kept
     report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=ALPHA)
     assert not report.passed, report.summary()
