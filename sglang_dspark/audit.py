@@ -27,6 +27,12 @@ speculation (same weights, same dtype). It passes only when all three parts pass
    rate `--alpha`. The summary states the power: the smallest total-variation shift each kind
    of test detects with probability 0.8 at the sample size used.
 
+`--reference-samples FILE` keeps the reference's temperature-1 continuations: written after
+they are drawn, read by later audits against the same reference model, prompts and sampling
+settings (the first `--samples` of them; more are drawn and added when it holds fewer), so that
+several servers or settings are audited against one reference sample. A file drawn with other
+settings, or not such a file, is refused.
+
 Exit code 0 when all parts pass, 1 when any fails, 2 on a usage or connection error.
 """
 
@@ -35,7 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import requests
 
@@ -81,6 +89,8 @@ class AuditReport:
     greedy: list[GreedyResult] = field(default_factory=list)
     sampling_summary: str = ""
     sampling_passed: bool = False
+    sampling_tests: int = 0  # chi-square tests run, per position and joint
+    sampling_joint_tests: int = 0
     detectable_tv_position: float | None = None
     detectable_tv_joint: float | None = None
     drafts_accepted: int = 0
@@ -127,6 +137,65 @@ class AuditReport:
         lines.append(f"  temperature 1: {self.sampling_summary}")
         lines.append("LOSSLESS" if self.passed else "NOT LOSSLESS")
         return "\n".join(lines)
+
+
+class ReferenceSamplesError(ValueError):
+    """A --reference-samples file that cannot serve this audit (other settings, not one)."""
+
+
+@dataclass
+class ReferenceSamples:
+    """The reference's temperature-1 continuations per prompt, on disk (`--reference-samples`).
+
+    `key` says what they were drawn from: the reference's model path and dtype (its
+    /server_info), the prompts' token ids and the sampling parameters."""
+
+    path: Path
+    key: dict
+    samples: list[list[list[int]]]
+
+    @classmethod
+    def open(cls, path: str | Path, key: dict) -> ReferenceSamples:
+        path = Path(path)
+        if not path.exists():
+            return cls(path, key, [[] for _ in key["prompt_ids"]])
+        try:
+            record = json.loads(path.read_text())
+            stored, samples = record["key"], record["samples"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ReferenceSamplesError(
+                f"{path} is not a reference-samples file of `sglang-dspark audit` ({exc}); "
+                "give another --reference-samples path or delete it"
+            ) from exc
+        if stored != key:
+            diff = sorted(k for k in set(key) | set(stored) if stored.get(k) != key.get(k))
+            raise ReferenceSamplesError(
+                f"{path} holds samples drawn with other settings (differing: {', '.join(diff)}); "
+                "give another --reference-samples path, or delete it to draw anew"
+            )
+        return cls(path, key, samples)
+
+    def take(self, i: int, n: int, draw: Callable[[int], list[list[int]]]) -> list[list[int]]:
+        """The first `n` continuations of prompt `i`, drawing (and keeping) what is missing."""
+        have = self.samples[i]
+        if len(have) < n:
+            have.extend(draw(n - len(have)))
+        return have[:n]
+
+    def save(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"key": self.key, "samples": self.samples}))
+        tmp.replace(self.path)
+
+
+def reference_samples_key(reference: str, prompt_ids: list[list[int]], params: dict) -> dict:
+    info = requests.get(reference + "/server_info", timeout=30).json()
+    return {
+        "model_path": info.get("model_path"),
+        "dtype": info.get("dtype"),
+        "prompt_ids": prompt_ids,
+        "sampling_params": params,
+    }
 
 
 def _post(url: str, body: dict, timeout: float) -> list[dict] | dict:
@@ -229,11 +298,17 @@ def audit(
     joint_tokens: int = 3,
     alpha: float = 0.01,
     timeout: float = 1800,
+    reference_samples: str | Path | None = None,
 ) -> AuditReport:
     if not 1 <= joint_tokens <= sample_tokens:
         raise ValueError(
             f"--joint-tokens {joint_tokens} must be in 1..--sample-tokens ({sample_tokens})"
         )
+    params = {"max_new_tokens": sample_tokens, "temperature": 1.0, "ignore_eos": True}
+    store = None  # refused before any work when it cannot serve this audit
+    if reference_samples is not None:
+        key = reference_samples_key(reference, prompt_ids, params)
+        store = ReferenceSamples.open(reference_samples, key)
     report = AuditReport(server, reference)
     for i, ids in enumerate(prompt_ids):
         result, answer = greedy_check(server, reference, i, ids, greedy_tokens, timeout)
@@ -244,13 +319,18 @@ def audit(
         return report
 
     sampled, reference_sampled = [], []
-    params = {"max_new_tokens": sample_tokens, "temperature": 1.0, "ignore_eos": True}
-    for ids in prompt_ids:
+    for i, ids in enumerate(prompt_ids):
         rows = _post(server, {"input_ids": [ids] * samples, "sampling_params": params}, timeout)
-        ref = _post(reference, {"input_ids": [ids] * samples, "sampling_params": params}, timeout)
         sampled.append([r["output_ids"] for r in rows])
-        reference_sampled.append([r["output_ids"] for r in ref])
         _count_speculation(report, rows)
+
+        def draw(n: int, ids=ids) -> list[list[int]]:
+            body = {"input_ids": [ids] * n, "sampling_params": params}
+            return [r["output_ids"] for r in _post(reference, body, timeout)]
+
+        reference_sampled.append(store.take(i, samples, draw) if store else draw(samples))
+    if store is not None:
+        store.save()
     report.server_accept_length = server_accept_length(server)
     # position 0 comes from prefill, not from speculation; the joint category starts there
     result = compare_samples(
@@ -259,6 +339,8 @@ def audit(
     )  # fmt: skip
     report.sampling_summary = result.summary()
     report.sampling_passed = result.passed
+    report.sampling_tests = len(result.tests)
+    report.sampling_joint_tests = sum(t.joint for t in result.tests)
     report.detectable_tv_position = result.detectable_tv(joint=False)
     report.detectable_tv_joint = result.detectable_tv(joint=True)
     return report
@@ -279,6 +361,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--alpha", type=float, default=0.01, help="family-wise false-alarm rate")
     parser.add_argument("--json", default=None, help="also write the report here")
+    parser.add_argument(
+        "--reference-samples", default=None, metavar="FILE",
+        help="keep the reference's temperature-1 samples in FILE and reuse them in later "
+        "audits against the same reference, prompts and settings",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -299,11 +386,16 @@ def run(args: argparse.Namespace) -> int:
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or _tokenizer_path(args.reference_url))
     prompt_ids = [chat_prompt_ids(tok, t) for t in texts]
-    report = audit(
-        args.url, args.reference_url, prompt_ids, greedy_tokens=args.greedy_tokens,
-        samples=args.samples, sample_tokens=args.sample_tokens, joint_tokens=args.joint_tokens,
-        alpha=args.alpha,
-    )  # fmt: skip
+    try:
+        report = audit(
+            args.url, args.reference_url, prompt_ids, greedy_tokens=args.greedy_tokens,
+            samples=args.samples, sample_tokens=args.sample_tokens,
+            joint_tokens=args.joint_tokens, alpha=args.alpha,
+            reference_samples=args.reference_samples,
+        )  # fmt: skip
+    except ReferenceSamplesError as exc:
+        print(f"sglang-dspark audit: {exc}", file=sys.stderr)
+        return 2
     print(report.render())
     if args.json:
         with open(args.json, "w") as f:

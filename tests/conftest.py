@@ -1,17 +1,20 @@
 """Shared fixtures: the embedded target/draft, eval prompts, and a pool of SGLang servers.
 
 A server start costs about a minute on 2 cores, so servers are started lazily, keyed by their
-configuration, shared by every test in the session, and stopped at the end. At most three run
-at once (each idle one sleeps: `--sleep-on-idle`).
+configuration, shared by every test in the session, and stopped at the end. At most five run
+at once (each idle one sleeps, `--sleep-on-idle`, but holds 2-3 GB), and the test files order
+their tests so that few are started twice.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 
 def eval_prompts(name: str, limit: int | None = None) -> list[str]:
@@ -27,10 +30,52 @@ def embedded_paths():
     return embedded.ensure()
 
 
+@contextmanager
+def broken_sampler(server, mode: str):
+    """`server` (a speculative one started with SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE, its path
+    in `server.break_switch`) with its sampler switched to the test-only broken `mode` inside
+    the block (the file is read at each verification), honest again after it: a negative
+    control without a second start-up."""
+    server.break_switch.write_text(mode)
+    try:
+        yield server
+    finally:
+        server.break_switch.write_text("")
+
+
+@dataclass
+class Sampled:
+    """Continuations per prompt, with the server's draft counts summed over them."""
+
+    samples: list[list[list[int]]]
+    correct: int  # drafts accepted
+    proposed: int  # drafts proposed
+    verified: int  # drafts inside the verified windows
+
+
+def sample_prompts(server, prompts: list[list[int]], n: int, sampling_params: dict) -> Sampled:
+    """`n` continuations of each prompt (token ids), one /generate request per prompt."""
+    out = Sampled([], 0, 0, 0)
+    for ids in prompts:
+        body = {"input_ids": [ids] * n, "sampling_params": sampling_params}
+        r = requests.post(server.base_url + "/generate", json=body, timeout=3600)
+        r.raise_for_status()
+        rows = r.json()
+        out.samples.append([row["output_ids"] for row in rows])
+        for m in (row["meta_info"] for row in rows):
+            out.correct += m.get("spec_num_correct_drafts", 0)
+            out.proposed += m.get("spec_num_proposed_drafts", 0)
+            # SGLang's cap length counts a window's tokens: the drafts and the one position
+            # after them (`verify_lens`)
+            verify_ct = m.get("spec_verify_ct", 0)
+            out.verified += round(m.get("spec_cap_length", 0) * verify_ct) - verify_ct
+    return out
+
+
 class ServerPool:
     """Lazily started SGLang servers, keyed by (dtype, speculative, extra args, env)."""
 
-    def __init__(self, log_dir: Path, max_live: int = 3):
+    def __init__(self, log_dir: Path, max_live: int = 5):
         self.log_dir = log_dir
         self.max_live = max_live
         self.live: OrderedDict[tuple, object] = OrderedDict()
@@ -72,17 +117,7 @@ class ServerPool:
         self.live[key] = server
         return server
 
-    @staticmethod
-    @contextmanager
-    def broken(server, mode: str):
-        """`server` (a speculative one from `get`) with its sampler switched to the test-only
-        broken `mode` inside the block (SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE, read at each
-        verification), honest again after it: a negative control without a second start-up."""
-        server.break_switch.write_text(mode)
-        try:
-            yield server
-        finally:
-            server.break_switch.write_text("")
+    broken = staticmethod(broken_sampler)
 
     def stop_all(self):
         for server in self.live.values():
@@ -95,3 +130,14 @@ def servers(tmp_path_factory):
     pool = ServerPool(tmp_path_factory.mktemp("server-logs"))
     yield pool
     pool.stop_all()
+
+
+def pytest_runtest_logreport(report):
+    """With DSPARK_TEST_TIMINGS=FILE, each test phase's duration is appended to FILE as it
+    ends: the suite's time per test can be read while it runs (or after it was killed)."""
+    import os
+
+    path = os.environ.get("DSPARK_TEST_TIMINGS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:9.1f} {report.when:8s} {report.outcome:7s} {report.nodeid}\n")

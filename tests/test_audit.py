@@ -207,3 +207,52 @@ def test_a_server_token_outside_the_reference_top_k_is_never_a_near_tie(fakes):
     report = audit(server.url, ref.url, [PROMPT], greedy_tokens=6, samples=200)
     assert not report.greedy_passed
     assert "not in the reference's top-5" in report.greedy[0].describe()
+
+
+REF_INFO = {"model_path": "/models/target", "dtype": "bfloat16"}
+
+
+def test_reference_samples_are_kept_reused_and_topped_up(fakes, tmp_path):
+    """--reference-samples: the first audit draws and writes them, a second with fewer samples
+    draws nothing from the reference, one with more draws only the missing ones."""
+    ref = fakes(_reference(PROBS, 0), REF_INFO)
+    server = fakes(_server(GREEDY, PROBS, 1), SPEC_INFO)
+    store = tmp_path / "ref.json"
+    first = audit(server.url, ref.url, [PROMPT, PROMPT], greedy_tokens=6, samples=200,
+                  reference_samples=store)  # fmt: skip
+    assert first.passed, first.render()
+    assert first.sampling_tests > 0 and first.sampling_joint_tests == 2
+    assert ref.sampled() == 2
+    kept = json.loads(store.read_text())
+    assert kept["key"]["model_path"] == "/models/target" and kept["key"]["dtype"] == "bfloat16"
+    assert [len(s) for s in kept["samples"]] == [200, 200]
+
+    again = audit(server.url, ref.url, [PROMPT, PROMPT], greedy_tokens=6, samples=120,
+                  reference_samples=store)  # fmt: skip
+    assert again.passed and ref.sampled() == 2  # no new reference batch
+    more = audit(server.url, ref.url, [PROMPT, PROMPT], greedy_tokens=6, samples=260,
+                 reference_samples=store)  # fmt: skip
+    assert more.passed and ref.sampled() == 4
+    assert [len(b["input_ids"]) for b in ref.bodies[-2:]] == [60, 60]  # only the missing ones
+    assert [len(s) for s in json.loads(store.read_text())["samples"]] == [260, 260]
+
+
+def test_reference_samples_drawn_otherwise_are_refused_before_any_request(fakes, tmp_path):
+    from sglang_dspark.audit import ReferenceSamplesError
+
+    ref = fakes(_reference(PROBS, 0), REF_INFO)
+    server = fakes(_server(GREEDY, PROBS, 1), SPEC_INFO)
+    store = tmp_path / "ref.json"
+    audit(server.url, ref.url, [PROMPT], greedy_tokens=6, samples=50, reference_samples=store)
+    posts = len(server.bodies)
+    with pytest.raises(ReferenceSamplesError, match="differing: prompt_ids"):
+        audit(server.url, ref.url, [PROMPT + [4]], greedy_tokens=6, samples=50,
+              reference_samples=store)  # fmt: skip
+    with pytest.raises(ReferenceSamplesError, match="differing: sampling_params"):
+        audit(server.url, ref.url, [PROMPT], greedy_tokens=6, samples=50, sample_tokens=3,
+              joint_tokens=2, reference_samples=store)  # fmt: skip
+    assert len(server.bodies) == posts  # refused before the greedy part
+    store.write_text("{not json")
+    with pytest.raises(ReferenceSamplesError, match="not a reference-samples file"):
+        audit(server.url, ref.url, [PROMPT], greedy_tokens=6, samples=50,
+              reference_samples=store)  # fmt: skip
