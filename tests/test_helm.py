@@ -593,10 +593,12 @@ def test_server_probes_allow_long_model_loads(profile, minimum_s):
 
 def test_router_probes_use_its_health_endpoints():
     router = container(find(render(), "Deployment")["spec"]["template"], "router")
-    ports = {p["name"] for p in router["ports"]}
-    assert router["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
-    assert router["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
-    assert {"http", "metrics"} <= ports
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert router["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "health"}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "health"}
+    # SMG's dedicated probe listener (its own runtime, not starved by requests) is that port
+    assert parse_args(router["args"])["--health-check-port"] == [str(ports["health"])]
+    assert len({ports["http"], ports["metrics"], ports["health"]}) == 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -727,7 +729,7 @@ def test_router_discovers_every_server_replica(profile):
     docs = render(PROFILES[profile])
     router_pod = find(docs, "Deployment")["spec"]["template"]
     router = container(router_pod, "router")
-    assert router["command"] == ["python3", "-m", "sglang_router.launch_router"]
+    assert router["command"] == ["python3", "-m", "smg.launch_router"]
     args = parse_args(router["args"])
     assert "--service-discovery" in args
     selector = dict(item.split("=", 1) for item in args["--selector"])
@@ -1356,15 +1358,25 @@ def test_dockerfile_adds_sglang_dspark_to_the_official_image():
     assert re.search(r"^ARG SGLANG_IMAGE=lmsysorg/sglang:v0\.5\.23$", dockerfile, re.MULTILINE)
     assert re.search(r"^FROM \$\{SGLANG_IMAGE\}$", dockerfile, re.MULTILINE)
     assert "sglang_dspark-*.whl" in dockerfile and "sglang-dspark patches apply" in dockerfile
-    assert '"sglang-router==' in dockerfile
+    # the router's wheel, installed and imported in the same layer as the plugin
+    assert '"smg==${SMG_VERSION}"' in dockerfile
+    assert re.search(r"python3 -c \"import sglang, sglang_dspark, smg;", dockerfile)
     user = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE)
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert user and int(user.group(1)) == values["server"]["podSecurityContext"]["runAsUser"] != 0
-    assert int(user.group(1)) == values["router"]["podSecurityContext"]["runAsUser"]
+    # the router runs SMG's own image as the user it declares (`USER smg`, uid 65532, in
+    # lightseekorg/smg's docker/Dockerfile), not as the server image's user
+    router = values["router"]
+    assert router["image"]["repository"] == "lightseekorg/smg"
+    assert router["podSecurityContext"]["runAsNonRoot"] is True
+    assert router["podSecurityContext"]["runAsUser"] == SMG_IMAGE_UID != int(user.group(1))
 
 
 # --------------------------------------------------------------------------------------------
-# flag names against the installed sglang / sglang-router (both installed by the test set-up)
+# flag names against the installed sglang / smg (both installed by the test set-up)
+
+# The non-root user of lightseekorg/smg (its docker/Dockerfile: useradd --uid 65532 smg).
+SMG_IMAGE_UID = 65532
 
 
 def _package_dir(name: str) -> Path:
@@ -1396,13 +1408,89 @@ def test_server_flags_exist_in_installed_sglang():
         )
 
 
-def test_router_flags_exist_in_installed_sglang_router(tmp_path):
-    source = (_package_dir("sglang_router") / "router_args.py").read_text()
-    static = values_file(tmp_path, {"router": {"discovery": "static"}})
-    for docs in (render(FULL), render(static)):
-        args = parse_args(container(find(docs, "Deployment")["spec"]["template"], "router")["args"])
-        for flag in args:
-            assert f'f"--{{prefix}}{flag[2:]}"' in source or f'"{flag}"' in source, flag
+def smg_router_args(argv: list[str]):
+    """What SMG makes of a rendered router command: its own parser
+    (smg.launch_router.parse_router_args), then what launch_router does before start(): IGW
+    mode whenever discovery is on, _validate_router_args(), and the Rust Router built from
+    the arguments (nothing listens)."""
+    from smg.launch_router import parse_router_args
+    from smg.router import Router
+
+    try:
+        args = parse_router_args(list(argv))
+    except SystemExit as e:  # argparse already printed why
+        raise AssertionError(f"smg refuses the router arguments {argv}") from e
+    if args.selected_discovery_provider() and not args.enable_igw:
+        args.enable_igw = True
+    args._validate_router_args()
+    Router.from_args(args)
+    return args
+
+
+def router_renders(tmp_path: Path) -> dict[str, list[dict]]:
+    """Every profile with each router set-up: as shipped, every option on, static discovery,
+    multi-node (V4), KEDA."""
+    static = values_file(tmp_path, {"router": {"discovery": "static"}, "server": {"replicas": 3}})
+    renders = {}
+    for name, path in PROFILES.items():
+        renders[name] = render(path)
+        renders[f"{name}+full"] = render(path, FULL)
+        renders[f"{name}+static"] = render(path, static)
+    for name in V4_PROFILES:
+        renders[f"{name}+2x8+full"] = render(PROFILES[name], MULTINODE, FULL)
+        renders[f"{name}+2x8+static"] = render(PROFILES[name], MULTINODE, static)
+    renders["qwen3-8b-dspark+keda"] = render(PROFILES["qwen3-8b-dspark"], FULL, KEDA)
+    return renders
+
+
+def api_pod_labels(docs: list[dict]) -> list[dict]:
+    """Labels of the pods that serve the API: StatefulSet pods, or multi-node group leaders."""
+    out = []
+    for doc in docs:
+        if doc["kind"] == "StatefulSet":
+            out.append(doc["spec"]["template"]["metadata"]["labels"])
+        elif doc["kind"] == "LeaderWorkerSet":
+            out.append(doc["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"])
+    return out
+
+
+def test_router_args_parse_and_validate_with_installed_smg(tmp_path):
+    seen = set()
+    for name, docs in router_renders(tmp_path).items():
+        router = container(find(docs, "Deployment")["spec"]["template"], "router")
+        ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+        flags = parse_args(router["args"])
+        ns = smg_router_args(router["args"])
+        # what the chart meant is what SMG read
+        assert (ns.host, ns.port) == ("0.0.0.0", ports["http"]), name
+        assert (ns.prometheus_host, ns.prometheus_port) == ("0.0.0.0", ports["metrics"]), name
+        assert ns.health_check_port == ports["health"], name
+        assert ns.policy == flags["--policy"][0], name
+        assert ns.worker_startup_timeout_secs == int(flags["--worker-startup-timeout-secs"][0])
+        assert ns.request_timeout_secs == int(flags["--request-timeout-secs"][0]), name
+        assert ns.api_key == ("$(ROUTER_API_KEY)" if "+full" in name or "keda" in name else None)
+        if "+static" in name:
+            assert not ns.service_discovery and not ns.enable_igw, name
+            assert ns.worker_urls == flags["--worker-urls"] and len(ns.worker_urls) == 3, name
+        else:
+            assert ns.service_discovery and ns.enable_igw, name
+            assert ns.service_discovery_namespace == NS, name
+            servers = [d for d in docs if d["kind"] in ("StatefulSet", "LeaderWorkerSet")]
+            (server_port,) = {
+                p["containerPort"]
+                for d in servers
+                for t in pod_templates(d)
+                for p in container(t, "sglang")["ports"]
+                if p["name"] == "http"
+            }
+            assert ns.service_discovery_port == server_port, name
+            labels = api_pod_labels(docs)
+            assert labels and all(ns.selector.items() <= lab.items() for lab in labels), name
+            assert ns.worker_urls == [], name
+        seen |= set(flags)
+    # every router flag the chart can render went through SMG's parser
+    template_text = (CHART / "templates" / "router-deployment.yaml").read_text()
+    assert set(re.findall(r"^\s+- (--[a-z-]+)$", template_text, re.MULTILINE)) <= seen
 
 
 def test_dashboard_metrics_exist_in_installed_sglang():

@@ -922,10 +922,14 @@ def test_dashboard_has_router_and_end_to_end_panels_on_metrics_that_exist():
     exprs = " ".join(t["expr"] for p in d["panels"] for t in p["targets"])
     assert "sglang:e2e_request_latency_seconds_bucket" in exprs
     assert "smg_http_request_duration_seconds_bucket" in exprs
-    binary = next((_package_dir("sglang_router")).glob("sglang_router_rs*.so")).read_bytes()
-    for metric in set(re.findall(r"smg_[a-z_]+", exprs)):
+    # SMG registers its metrics in its Rust extension (model_gateway/src/observability/metrics.rs)
+    (binary,) = _package_dir("smg").glob("smg_rs*.so")
+    data = binary.read_bytes()
+    metrics = set(re.findall(r"smg_[a-z_]+", exprs))
+    assert len(metrics) >= 5, metrics
+    for metric in metrics:
         base = re.sub(r"_(bucket|sum|count)$", "", metric)
-        assert base.encode() in binary, metric  # the router 0.3.2 the image pins exports it
+        assert base.encode() in data, metric  # the smg the router image pins exports it
 
 
 def _wait_ready_module():
@@ -1051,18 +1055,21 @@ def test_ab_run_two_arms_then_the_pareto_report(fake_server, tmp_path):  # noqa:
 
 def test_router_runs_the_pinned_gateway_image_everywhere():
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    pin = re.search(r"^ARG SGLANG_ROUTER_VERSION=(\S+)$", dockerfile, re.MULTILINE).group(1)
+    pin = re.search(r"^ARG SMG_VERSION=(\S+)$", dockerfile, re.MULTILINE).group(1)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pin), pin
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert f'"sglang-router=={pin}"' in pyproject  # the tests check flags against this version
+    assert f'"smg=={pin}"' in pyproject  # the tests parse the router's arguments with it
+    assert "sglang-router" not in pyproject and "sglang-router" not in dockerfile
     from importlib.metadata import version
 
-    assert version("sglang-router") == pin
+    assert version("smg") == pin
     for profile in PROFILES:
         router = container(
             find(render(PROFILES[profile]), "Deployment")["spec"]["template"], "router"
         )
-        assert router["image"] == f"lmsysorg/sgl-model-gateway:v{pin}"  # no CUDA server image
-        assert router["command"] == ["python3", "-m", "sglang_router.launch_router"]
+        # SMG's image, tagged with the wheel's version (no "v"); no CUDA server image
+        assert router["image"] == f"lightseekorg/smg:{pin}"
+        assert router["command"] == ["python3", "-m", "smg.launch_router"]  # its ENTRYPOINT
         assert "nvidia.com/gpu" not in json.dumps(router["resources"])
 
 
