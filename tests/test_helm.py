@@ -35,6 +35,7 @@ CHART = REPO / "helm" / "dspark"
 FIXTURES = Path(__file__).resolve().parent / "helm_fixtures"
 FULL = FIXTURES / "full-features.yaml"
 KEDA = FIXTURES / "keda.yaml"
+PD = FIXTURES / "pd.yaml"
 PROFILES = {p.stem: p for p in sorted((CHART / "profiles").glob("*.yaml"))}
 GPU_PROFILES = [
     "qwen3-8b-dspark",
@@ -147,14 +148,15 @@ def container(pod_template: dict, name: str) -> dict:
     return c
 
 
-def parse_args(args: list[str]) -> dict[str, list[str]]:
-    """'--flag v1 v2 --switch' -> {'--flag': ['v1', 'v2'], '--switch': []}; repeated flags fail."""
+def parse_args(args: list[str], repeatable: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """'--flag v1 v2 --switch' -> {'--flag': ['v1', 'v2'], '--switch': []}; repeated flags fail,
+    except those in repeatable (SMG's --prefill / --decode), whose values are concatenated."""
     parsed: dict[str, list[str]] = {}
     current = None
     for arg in args:
         if arg.startswith("--"):
-            assert arg not in parsed, f"{arg} given twice"
-            parsed[arg] = []
+            assert arg not in parsed or arg in repeatable, f"{arg} given twice"
+            parsed.setdefault(arg, [])
             current = arg
         else:
             assert current is not None, f"value {arg!r} before any flag"
@@ -207,6 +209,8 @@ def test_lint_strict(helm, profile):
         extras.append(["-f", str(MULTINODE), "-f", str(FULL)])
     if profile in (None, "qwen3-8b-dspark"):
         extras.append(["-f", str(FULL), "-f", str(KEDA)])
+    if profile is None or profile in GPU_PROFILES:
+        extras.append(["-f", str(FULL), "-f", str(PD)])
     for extra in extras:
         result = subprocess.run(cmd + extra, check=False, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -247,6 +251,7 @@ OVERLAYS = {
     "full-features": [FULL],
     "multinode-full": [MULTINODE, FULL],
     "keda-full": [FULL, KEDA],
+    "pd-full": [FULL, PD],
 }
 
 
@@ -256,6 +261,8 @@ def _validation_cases():
             if overlay == "multinode-full" and profile not in V4_PROFILES:
                 continue
             if overlay == "keda-full" and profile not in ("qwen3-8b-dspark", "cpu-smollm2"):
+                continue
+            if overlay == "pd-full" and profile not in GPU_PROFILES:
                 continue
             for version in K8S_VERSIONS:
                 yield pytest.param(profile, overlay, version, id=f"{profile}-{overlay}-{version}")
@@ -300,6 +307,10 @@ def test_manifests_pass_kubernetes_validate_strict(tmp_path, profile, overlay, v
     if overlay == "keda-full":
         assert {d["kind"] for d in crds} == {"ServiceMonitor", "ScaledObject"}
         assert "HorizontalPodAutoscaler" not in {d["kind"] for d in core}
+    if overlay == "pd-full":
+        assert {d["kind"] for d in crds} == {"ServiceMonitor"}
+        names = {d["metadata"]["name"] for d in core if d["kind"] == "StatefulSet"}
+        assert names == {"dspark-prefill", "dspark-decode"}
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -1388,10 +1399,11 @@ def _package_dir(name: str) -> Path:
 
 def _server_flags_in_profiles() -> set[str]:
     flags = set()
-    renders = [(path,) for path in PROFILES.values()]
-    renders += [(PROFILES[p], MULTINODE) for p in V4_PROFILES]
+    renders = [(path, FULL) for path in PROFILES.values()]
+    renders += [(PROFILES[p], MULTINODE, FULL) for p in V4_PROFILES]
+    renders += [(PROFILES[p], FULL, PD) for p in GPU_PROFILES]  # both PD roles
     for files in renders:
-        for doc in render(*files, FULL):
+        for doc in render(*files):
             if doc["kind"] in ("StatefulSet", "LeaderWorkerSet"):
                 for template in pod_templates(doc):
                     flags |= set(parse_args(container(template, "sglang")["args"]))
@@ -1401,7 +1413,9 @@ def _server_flags_in_profiles() -> set[str]:
 def test_server_flags_exist_in_installed_sglang():
     fields = _package_dir("sglang") / "srt" / "arg_groups" / "fields"
     source = "\n".join(p.read_text() for p in fields.glob("*.py"))
-    for flag in _server_flags_in_profiles():
+    flags = _server_flags_in_profiles()
+    assert {"--disaggregation-mode", "--disaggregation-bootstrap-port"} <= flags
+    for flag in flags:
         name = flag[2:].replace("-", "_")
         assert re.search(rf"^\s+{name}: A\[", source, re.MULTILINE), (
             f"{flag} is not an sglang server argument"
@@ -1429,7 +1443,8 @@ def smg_router_args(argv: list[str]):
 
 def router_renders(tmp_path: Path) -> dict[str, list[dict]]:
     """Every profile with each router set-up: as shipped, every option on, static discovery,
-    multi-node (V4), KEDA."""
+    multi-node (V4), KEDA, and prefill/decode disaggregation (GPU profiles) with kubernetes
+    and with static discovery."""
     static = values_file(tmp_path, {"router": {"discovery": "static"}, "server": {"replicas": 3}})
     renders = {}
     for name, path in PROFILES.items():
@@ -1440,18 +1455,31 @@ def router_renders(tmp_path: Path) -> dict[str, list[dict]]:
         renders[f"{name}+2x8+full"] = render(PROFILES[name], MULTINODE, FULL)
         renders[f"{name}+2x8+static"] = render(PROFILES[name], MULTINODE, static)
     renders["qwen3-8b-dspark+keda"] = render(PROFILES["qwen3-8b-dspark"], FULL, KEDA)
+    for name in GPU_PROFILES:
+        renders[f"{name}+pd+full"] = render(PROFILES[name], FULL, PD)
+        renders[f"{name}+pd+static"] = render(PROFILES[name], PD, static)
     return renders
 
 
-def api_pod_labels(docs: list[dict]) -> list[dict]:
-    """Labels of the pods that serve the API: StatefulSet pods, or multi-node group leaders."""
+def server_templates(docs: list[dict]) -> list[dict]:
+    """Pod templates of the pods that serve the API: StatefulSet pods (every PD role), or
+    multi-node group leaders."""
     out = []
     for doc in docs:
         if doc["kind"] == "StatefulSet":
-            out.append(doc["spec"]["template"]["metadata"]["labels"])
+            out.append(doc["spec"]["template"])
         elif doc["kind"] == "LeaderWorkerSet":
-            out.append(doc["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"])
+            out.append(doc["spec"]["leaderWorkerTemplate"]["leaderTemplate"])
     return out
+
+
+def pd_role_templates(docs: list[dict]) -> dict[str, dict]:
+    """{role: pod template} of the PD StatefulSets, by their pods' dspark.io/pd-role."""
+    return {
+        t["metadata"]["labels"]["dspark.io/pd-role"]: t
+        for t in server_templates(docs)
+        if "dspark.io/pd-role" in t["metadata"]["labels"]
+    }
 
 
 def test_router_args_parse_and_validate_with_installed_smg(tmp_path):
@@ -1459,7 +1487,7 @@ def test_router_args_parse_and_validate_with_installed_smg(tmp_path):
     for name, docs in router_renders(tmp_path).items():
         router = container(find(docs, "Deployment")["spec"]["template"], "router")
         ports = {p["name"]: p["containerPort"] for p in router["ports"]}
-        flags = parse_args(router["args"])
+        flags = parse_args(router["args"], repeatable=("--prefill", "--decode"))
         ns = smg_router_args(router["args"])
         # what the chart meant is what SMG read
         assert (ns.host, ns.port) == ("0.0.0.0", ports["http"]), name
@@ -1468,29 +1496,74 @@ def test_router_args_parse_and_validate_with_installed_smg(tmp_path):
         assert ns.policy == flags["--policy"][0], name
         assert ns.worker_startup_timeout_secs == int(flags["--worker-startup-timeout-secs"][0])
         assert ns.request_timeout_secs == int(flags["--request-timeout-secs"][0]), name
-        assert ns.api_key == ("$(ROUTER_API_KEY)" if "+full" in name or "keda" in name else None)
+        assert ns.api_key == ("$(ROUTER_API_KEY)" if "full" in name or "keda" in name else None)
+        templates = server_templates(docs)
+        (server_port,) = {
+            p["containerPort"]
+            for t in templates
+            for p in container(t, "sglang")["ports"]
+            if p["name"] == "http"
+        }
+        roles = pd_role_templates(docs)
+        assert ns.pd_disaggregation == ("+pd" in name) == bool(roles), name
+        if roles:
+            # pd.yaml's per-role policies
+            assert (ns.prefill_policy, ns.decode_policy) == ("cache_aware", "round_robin"), name
+            (bootstrap,) = {
+                p["containerPort"]
+                for p in container(roles["prefill"], "sglang")["ports"]
+                if p["name"] == "bootstrap"
+            }
         if "+static" in name:
             assert not ns.service_discovery and not ns.enable_igw, name
-            assert ns.worker_urls == flags["--worker-urls"] and len(ns.worker_urls) == 3, name
+            # each replica's stable name under the headless Service
+            hosts = {
+                d["metadata"]["name"]: [
+                    f"http://{d['metadata']['name']}-{i}.{d['spec']['serviceName']}.{NS}.svc"
+                    f":{server_port}"
+                    for i in range(d["spec"]["replicas"])
+                ]
+                for d in docs
+                if d["kind"] == "StatefulSet"
+            }
+            if roles:
+                assert ns.worker_urls == [], name
+                assert [url for url, _ in ns.prefill_urls] == hosts["dspark-prefill"], name
+                assert {port for _, port in ns.prefill_urls} == {bootstrap}, name
+                assert ns.decode_urls == hosts["dspark-decode"], name
+                assert (len(ns.prefill_urls), len(ns.decode_urls)) == (2, 3), name
+            else:
+                assert ns.worker_urls == flags["--worker-urls"], name
+                assert len(ns.worker_urls) == 3, name
+                if "+2x8" not in name:
+                    assert ns.worker_urls == hosts["dspark-server"], name
         else:
             assert ns.service_discovery and ns.enable_igw, name
             assert ns.service_discovery_namespace == NS, name
-            servers = [d for d in docs if d["kind"] in ("StatefulSet", "LeaderWorkerSet")]
-            (server_port,) = {
-                p["containerPort"]
-                for d in servers
-                for t in pod_templates(d)
-                for p in container(t, "sglang")["ports"]
-                if p["name"] == "http"
-            }
             assert ns.service_discovery_port == server_port, name
-            labels = api_pod_labels(docs)
+            labels = [t["metadata"]["labels"] for t in templates]
             assert labels and all(ns.selector.items() <= lab.items() for lab in labels), name
             assert ns.worker_urls == [], name
+            for role, tmpl in roles.items():
+                mine = getattr(ns, f"{role}_selector")
+                assert mine.items() <= tmpl["metadata"]["labels"].items(), (name, role)
+                for other, o in roles.items():
+                    if other != role:  # each selector picks exactly one role
+                        assert not mine.items() <= o["metadata"]["labels"].items(), name
+            if roles:
+                # SMG reads a prefill pod's bootstrap port from this annotation
+                annotations = roles["prefill"]["metadata"]["annotations"]
+                assert annotations[ns.bootstrap_port_annotation] == str(bootstrap), name
+                assert ns.bootstrap_port_annotation not in roles["decode"]["metadata"].get(
+                    "annotations", {}
+                )
         seen |= set(flags)
     # every router flag the chart can render went through SMG's parser
     template_text = (CHART / "templates" / "router-deployment.yaml").read_text()
-    assert set(re.findall(r"^\s+- (--[a-z-]+)$", template_text, re.MULTILINE)) <= seen
+    flags_in_template = set(re.findall(r"^\s+- (--[a-z-]+)$", template_text, re.MULTILINE))
+    flags_in_template.add("--prefill-selector")  # printf "--%s-selector"
+    flags_in_template.add("--decode-selector")
+    assert flags_in_template <= seen, flags_in_template - seen
 
 
 def test_dashboard_metrics_exist_in_installed_sglang():

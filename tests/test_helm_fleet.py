@@ -5,7 +5,8 @@ once per set of values, see test_helm.render): multi-node DeepSeek-V4 on a Leade
 its MTP-1 baseline; models fetched once per cluster, pinned, mounted read-only, and caches that
 survive restarts; autoscaling (HPA with its prometheus-adapter rules, or KEDA); the A/B
 comparison (dashboard per release, the comparison Job, its report); the router (gateway image
-and pin, API key, Ingress, coherent cache-aware routing); hardening (read-only root, PDBs).
+and pin, API key, Ingress, coherent cache-aware routing); hardening (read-only root, PDBs);
+prefill/decode disaggregation (off by default; its two roles, their wiring and the refusals).
 LeaderWorkerSet and ScaledObject are checked against their CRDs' own schemas (vendored in
 tests/helm_fixtures with their source and version), SGLang flags with SGLang's own parser.
 
@@ -30,8 +31,10 @@ from test_helm import (
     CHART,
     CRD_SCHEMAS,
     FULL,
+    GPU_PROFILES,
     MULTINODE,
     NS,
+    PD,
     PROFILES,
     RELEASE,
     REPO,
@@ -45,6 +48,7 @@ from test_helm import (
     find,
     loadtest_pod,
     parse_args,
+    pd_role_templates,
     pod_templates,
     render,
     render_overlay,
@@ -197,6 +201,7 @@ def _every_server_argv() -> dict[str, tuple[str, ...]]:
     argvs = {}
     renders = {p: (PROFILES[p], FULL) for p in PROFILES}
     renders |= {f"{p}+2x8": (PROFILES[p], MULTINODE, FULL) for p in V4_PROFILES}
+    renders |= {f"{p}+pd": (PROFILES[p], FULL, PD) for p in GPU_PROFILES}
     for name, files in renders.items():
         for doc in render(*files):
             if doc["kind"] not in ("StatefulSet", "LeaderWorkerSet"):
@@ -204,13 +209,14 @@ def _every_server_argv() -> dict[str, tuple[str, ...]]:
             for role, tmpl in zip(("leader", "worker"), pod_templates(doc), strict=False):
                 env = LWS_ENV[role] if doc["kind"] == "LeaderWorkerSet" else {}
                 args = [expand(a, env) for a in container(tmpl, "sglang")["args"]]
-                argvs[f"{name}/{role if env else 'pod'}"] = tuple(args)
+                pd = tmpl["metadata"]["labels"].get("dspark.io/pd-role")
+                argvs[f"{name}/{role if env else pd or 'pod'}"] = tuple(args)
     return argvs
 
 
 def test_every_rendered_server_command_parses_with_sglangs_parser():
     argvs = _every_server_argv()
-    assert len(argvs) == len(PROFILES) + 2 * len(V4_PROFILES)
+    assert len(argvs) == len(PROFILES) + 2 * len(V4_PROFILES) + 2 * len(GPU_PROFILES)
     parsed = dict(zip(argvs, sglang_parse(tuple(argvs.values())), strict=True))
     for name, ns in parsed.items():
         args = parse_args(list(argvs[name]))
@@ -229,6 +235,27 @@ def test_every_rendered_server_command_parses_with_sglangs_parser():
         )
         assert (leader["tp_size"], leader["attn_dp_size"], leader["ep_size"]) == (16, 16, 16)
         assert leader["enable_dp_lm_head"] is True and leader["moe_a2a_backend"] == "none"
+    default_bootstrap = yaml.safe_load((CHART / "values.yaml").read_text())["server"][
+        "disaggregation"
+    ]["bootstrapPort"]
+    for profile in GPU_PROFILES:
+        prefill, decode = parsed[f"{profile}+pd/prefill"], parsed[f"{profile}+pd/decode"]
+        assert (prefill["disaggregation_mode"], decode["disaggregation_mode"]) == (
+            "prefill",
+            "decode",
+        )
+        for ns in (prefill, decode):
+            assert ns["disaggregation_transfer_backend"] == "mooncake", profile
+            assert ns["disaggregation_ib_device"] == "mlx5_0,mlx5_1", profile
+        # the chart's default is SGLang's (decode takes the prefill's from each request)
+        assert prefill["disaggregation_bootstrap_port"] == 8998 == default_bootstrap
+        assert decode["disaggregation_bootstrap_port"] == 8998
+        assert prefill["chunked_prefill_size"] == 8192  # pd.yaml's per-role extra args
+        assert decode["disaggregation_decode_polling_interval"] == 2
+        # both roles run the same model and speculative decoding
+        same = ("model_path", "tp_size", "speculative_algorithm", "dtype")
+        assert [prefill.get(k) for k in same] == [decode.get(k) for k in same], profile
+        assert parsed[f"{profile}/pod"]["disaggregation_mode"] == "null"
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,24 +408,25 @@ def test_what_the_chart_assumes_of_sglang_0_5_23_is_in_its_source():
     assert "DSpark with dp attention requires --enable-dp-lm-head." in spec
     assert 'moe_a2a_backend not in ("none", "megamoe", "mori")' in spec
     assert "DSpark DP MoE or prefill coordination requires" in spec
-    # DSpark PD on V4: static verify, Mooncake or NIXL
-    assert "DSpark PD requires static verify, Mooncake or NIXL" in v4
-
-
-def test_prefill_decode_disaggregation_is_documented_not_rendered():
-    readme = (CHART / "README.md").read_text()
-    section = readme.split("## Prefill/decode disaggregation", 1)[1].split("\n## ", 1)[0]
-    # what SGLang 0.5.23 says about DSpark PD for DeepSeek-V4, in the chart's words
-    assert "static verify" in section and "Mooncake or NIXL" in section
-    # why it is not rendered: the plugin has never been run in PD mode (true while no file of
-    # the package or its tests mentions it; once one does, this README sentence is stale)
-    assert "have not been\nrun with `--disaggregation-mode`" in section
-    for root in (REPO / "sglang_dspark", REPO / "tests"):
-        for path in root.rglob("*.py"):
-            if path.name != "test_helm_fleet.py":
-                assert "disaggregation_mode" not in path.read_text(errors="ignore"), path
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert "disaggregation" not in json.dumps(values).lower()
+    # DSpark PD: SGLang's only DSpark-specific PD rule is DeepSeek-V4.1's (static verify,
+    # Mooncake or NIXL); validate_deepseek_v41_features returns before it for any other model
+    # type (DeepSeek-V4-Flash, Qwen3)
+    v41 = v4.split("def validate_deepseek_v41_features", 1)[1].split("\ndef ", 1)[0]
+    early = re.search(
+        r'if model_config_of\(server_args\)\.hf_config\.model_type != "deepseek_v41":\n'
+        r"(?:\s+.*\n){0,5}?\s+return\n",
+        v41,
+    )
+    assert early and v41.index(early.group(0)) < v41.index("DSpark PD requires static verify")
+    assert "DeepSeek-V4.1 DSpark PD requires static verify, Mooncake or NIXL" in v41
+    assert "read_ragged_verify_mode() is not RaggedVerifyMode.STATIC" in v41
+    # the transfer backends the chart renders are SGLang's choices
+    choices = (hooks / "choices.py").read_text()
+    backends = re.search(r"DISAGG_TRANSFER_BACKEND_CHOICES = \[(.*?)\]", choices, re.DOTALL)
+    assert {"mooncake", "nixl"} <= set(re.findall(r'"([a-z_]+)"', backends.group(1)))
+    # a PD prefill server cannot use the fake backend
+    pd_hook = (hooks / "pd_disaggregation_hook.py").read_text()
+    assert "Prefill server does not support 'fake' as the transfer backend" in pd_hook
 
 
 # --------------------------------------------------------------------------------------------
@@ -1220,6 +1248,340 @@ def test_single_replica_notes_warn_about_drains():
         PROFILES["cpu-smollm2"]
     )
     assert "makes node drains wait" not in _notes(PROFILES["qwen3-8b-dspark"])
+
+
+# --------------------------------------------------------------------------------------------
+# 7. prefill/decode disaggregation (off by default; rendered and validated, never run here)
+
+
+def pd(profile: str = "qwen3-8b-dspark", *more) -> list[dict]:
+    return render(PROFILES[profile], FULL, PD, *more)
+
+
+def sglang_container(tmpl: dict) -> dict:
+    return container(tmpl, "sglang")
+
+
+def test_pd_is_off_by_default_and_leaves_the_single_server_alone():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["server"]["disaggregation"]["enabled"] is False
+    for profile in PROFILES:
+        docs = render(PROFILES[profile], FULL)
+        assert [d["metadata"]["name"] for d in docs if d["kind"] == "StatefulSet"] == [
+            "dspark-server"
+        ]
+        text = json.dumps(docs)
+        assert "disaggregation" not in text and "dspark.io/pd-role" not in text
+        assert "IPC_LOCK" not in text and "sglang.ai/bootstrap-port" not in text
+
+
+@pytest.mark.parametrize("profile", GPU_PROFILES)
+def test_pd_renders_a_prefill_and_a_decode_statefulset(profile):
+    docs = pd(profile)
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    assert set(sets) == {"dspark-prefill", "dspark-decode"}  # instead of dspark-server
+    assert sets["dspark-prefill"]["spec"]["replicas"] == 2  # pd.yaml
+    assert sets["dspark-decode"]["spec"]["replicas"] == 3
+    roles = pd_role_templates(docs)
+    assert set(roles) == {"prefill", "decode"}
+    for role, name in (("prefill", "dspark-prefill"), ("decode", "dspark-decode")):
+        sts = sets[name]
+        labels = roles[role]["metadata"]["labels"]
+        assert labels["dspark.io/pd-role"] == role
+        # each StatefulSet owns its role's pods only
+        selector = sts["spec"]["selector"]["matchLabels"]
+        other = roles["decode" if role == "prefill" else "prefill"]["metadata"]["labels"]
+        assert selector.items() <= labels.items() and not selector.items() <= other.items()
+        assert sts["spec"]["serviceName"] == "dspark-server-headless"
+    prefill, decode = (sglang_container(roles[r]) for r in ("prefill", "decode"))
+    pa, da = parse_args(prefill["args"]), parse_args(decode["args"])
+    assert pa["--disaggregation-mode"] == ["prefill"] and da["--disaggregation-mode"] == ["decode"]
+    for args in (pa, da):
+        assert args["--disaggregation-transfer-backend"] == ["mooncake"]
+        assert args["--disaggregation-ib-device"] == ["mlx5_0,mlx5_1"]
+    # the bootstrap server runs on the prefill servers only, on a named port
+    assert pa["--disaggregation-bootstrap-port"] == ["8998"]
+    assert "--disaggregation-bootstrap-port" not in da
+    ports = {p["name"]: p["containerPort"] for p in prefill["ports"]}
+    assert ports["bootstrap"] == 8998 and ports["http"] != 8998
+    assert "bootstrap" not in {p["name"] for p in decode["ports"]}
+    # per-role extra args come last, on their role only
+    assert prefill["args"][-2:] == ["--chunked-prefill-size", "8192"]
+    assert decode["args"][-2:] == ["--disaggregation-decode-polling-interval", "2"]
+    assert (
+        "--chunked-prefill-size" not in da and "--disaggregation-decode-polling-interval" not in pa
+    )
+    # apart from the PD flags both roles run the same server: model, parallelism, speculation
+    pd_flags = {"--disaggregation-mode", "--disaggregation-bootstrap-port"}
+    common = {k: v for k, v in pa.items() if k not in pd_flags and k != "--chunked-prefill-size"}
+    assert common == {
+        k: v
+        for k, v in da.items()
+        if k not in pd_flags and k != "--disaggregation-decode-polling-interval"
+    }
+    assert env_of(prefill) == env_of(decode)
+    # the single server's GPUs; RDMA: the device (requests = limits) and IPC_LOCK, on the
+    # server containers only
+    single = container(server_pod(render(PROFILES[profile])), "sglang")["resources"]["limits"]
+    for c in (prefill, decode):
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == single["nvidia.com/gpu"]
+        assert c["resources"]["requests"]["rdma/ib"] == c["resources"]["limits"]["rdma/ib"] == 1
+        caps = c["securityContext"]["capabilities"]
+        assert caps == {"add": ["IPC_LOCK"], "drop": ["ALL"]}
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["privileged"] is False
+    for doc, _, c in all_containers(docs):
+        if c not in (prefill, decode):
+            assert "add" not in c.get("securityContext", {}).get("capabilities", {}), c["name"]
+            assert "rdma/ib" not in json.dumps(c.get("resources", {})), c["name"]
+
+
+def test_pd_roles_take_their_own_resources_and_rdma_device(tmp_path):
+    mine = {"requests": {"cpu": "16", "memory": "96Gi", "ephemeral-storage": "16Gi"}}
+    docs = render_overlay(
+        tmp_path,
+        {
+            "server": {
+                "disaggregation": {
+                    "prefill": {"resources": mine},
+                    "rdma": {"resourceName": "rdma/hca_shared_devices_a", "count": 2},
+                }
+            }
+        },
+        PROFILES["qwen3-8b-dspark"],
+        FULL,
+        PD,
+    )
+    roles = pd_role_templates(docs)
+    prefill, decode = (sglang_container(roles[r])["resources"] for r in ("prefill", "decode"))
+    assert prefill["requests"] == {
+        **mine["requests"],
+        "nvidia.com/gpu": 1,
+        "rdma/hca_shared_devices_a": 2,
+    }
+    assert prefill["limits"] == {"nvidia.com/gpu": 1, "rdma/hca_shared_devices_a": 2}
+    server = container(server_pod(render(PROFILES["qwen3-8b-dspark"])), "sglang")["resources"]
+    assert decode["requests"] == {**server["requests"], "rdma/hca_shared_devices_a": 2}
+    # no RDMA device plugin: no extended resource (IPC_LOCK stays)
+    docs = render_overlay(
+        tmp_path,
+        {"server": {"disaggregation": {"rdma": {"resourceName": ""}}}},
+        PROFILES["qwen3-8b-dspark"],
+        FULL,
+        PD,
+    )
+    for tmpl in pd_role_templates(docs).values():
+        c = sglang_container(tmpl)
+        assert c["resources"] == server
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+
+
+def test_pd_services_budgets_and_network_policy_cover_both_roles():
+    docs = pd()
+    roles = pd_role_templates(docs)
+    labels = {role: t["metadata"]["labels"] for role, t in roles.items()}
+
+    def selects(selector, role):
+        return selector.items() <= labels[role].items()
+
+    # every pod under the headless Service (stable names, metrics) and the server Service
+    for name in ("dspark-server-headless", "dspark-server"):
+        selector = find(docs, "Service", name)["spec"]["selector"]
+        assert selects(selector, "prefill") and selects(selector, "decode"), name
+    monitor = find(docs, "ServiceMonitor", "dspark-server")["spec"]["selector"]["matchLabels"]
+    assert (
+        monitor.items()
+        <= find(docs, "Service", "dspark-server-headless")["metadata"]["labels"].items()
+    )
+    # one budget per role (2 and 3 replicas: one pod of each may go)
+    budgets = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert set(budgets) == {"dspark-prefill", "dspark-decode", "dspark-router"}
+    for role in ("prefill", "decode"):
+        spec = budgets[f"dspark-{role}"]
+        assert spec["maxUnavailable"] == 1
+        assert (
+            spec["selector"]["matchLabels"]
+            == find(docs, "StatefulSet", f"dspark-{role}")["spec"]["selector"]["matchLabels"]
+        )
+    # the router reaches both roles' API; the roles reach each other on every port (the
+    # prefill's bootstrap port, Mooncake / NIXL transfer ports)
+    policy = find(docs, "NetworkPolicy", "dspark-server")["spec"]
+    assert selects(policy["podSelector"]["matchLabels"], "prefill")
+    assert selects(policy["podSelector"]["matchLabels"], "decode")
+    (api,) = [
+        r for r in policy["ingress"] if r.get("ports") == [{"port": "http", "protocol": "TCP"}]
+    ]
+    expr = {e["key"]: e["values"] for e in api["from"][0]["podSelector"]["matchExpressions"]}
+    assert "router" in expr["app.kubernetes.io/component"]
+    (peers,) = [r for r in policy["ingress"] if "ports" not in r]
+    (peer,) = peers["from"]
+    assert selects(peer["podSelector"]["matchLabels"], "decode")
+    assert selects(peer["podSelector"]["matchLabels"], "prefill")
+
+
+def test_pd_budgets_keep_each_roles_last_pod(tmp_path):
+    docs = render_overlay(
+        tmp_path,
+        {"server": {"disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}},
+        PROFILES["qwen3-8b-dspark"],
+        FULL,
+        PD,
+    )
+    for role in ("prefill", "decode"):
+        spec = find(docs, "PodDisruptionBudget", f"dspark-{role}")["spec"]
+        assert {k: v for k, v in spec.items() if k != "selector"} == {"minAvailable": 1}
+    notes = _notes(
+        PROFILES["qwen3-8b-dspark"],
+        FULL,
+        PD,
+        values_file(
+            tmp_path,
+            {"server": {"disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}},
+        ),
+    )
+    assert "one prefill replica: its PodDisruptionBudget" in notes
+    assert "one decode replica: its PodDisruptionBudget" in notes
+
+
+def test_pd_load_test_and_notes_follow_the_decode_replicas():
+    docs = pd()  # 3 decode replicas, 64 running requests each (the profile)
+    pod = loadtest_pod(docs)["spec"]
+    assert env_of(pod["initContainers"][1])["SLA_USERS"]["value"] == "1,2,4,8,16,32,64,128,192"
+    assert env_of(pod["containers"][0])["REPLICAS"]["value"] == "3"
+    notes = _notes(PROFILES["qwen3-8b-dspark"], FULL, PD)
+    assert f"kubectl -n {NS} rollout status statefulset/dspark-prefill --timeout=60m" in notes
+    assert f"kubectl -n {NS} rollout status statefulset/dspark-decode --timeout=60m" in notes
+    assert "have not been run under --disaggregation-mode" in notes
+
+
+def _with_pd(values: dict) -> dict:
+    out = copy.deepcopy(values)
+    out.setdefault("server", {}).setdefault("disaggregation", {})["enabled"] = True
+    return out
+
+
+@pytest.mark.parametrize(
+    "base, values, words",
+    [
+        (("deepseek-v4-flash-dspark", "2x8"), {}, "server.disaggregation with server.multiNode"),
+        (("qwen3-8b-dspark",), {"autoscaling": {"enabled": True}}, "with autoscaling"),
+        (("qwen3-8b-dspark",), {"router": {"enabled": False}}, "needs router.enabled=true"),
+        (("cpu-smollm2",), {}, "server.disaggregation needs GPUs"),
+        (
+            ("qwen3-8b-dspark",),
+            {"server": {"disaggregation": {"transferBackend": "fake"}}},
+            'transferBackend="fake": the chart renders mooncake or nixl',
+        ),
+        (
+            ("qwen3-8b-dspark",),
+            {"server": {"disaggregation": {"transferBackend": "rdma"}}},
+            'transferBackend="rdma": the chart renders mooncake or nixl',
+        ),
+        (
+            ("qwen3-8b-dspark",),
+            {"server": {"disaggregation": {"bootstrapPort": 30000}}},
+            "bootstrapPort (30000) must differ from server.port",
+        ),
+        (
+            ("qwen3-8b-dspark",),
+            {"server": {"disaggregation": {"decode": {"policy": "power_of_two"}}}},
+            "power_of_two for the decode role with server.disaggregation.decode.replicas=1",
+        ),
+        (
+            # with discovery SMG's IGW mode may apply router.policy to both roles
+            ("qwen3-8b-dspark",),
+            {
+                "router": {"policy": "power_of_two"},
+                "server": {
+                    "disaggregation": {
+                        "prefill": {"policy": "round_robin"},
+                        "decode": {"replicas": 2},
+                    }
+                },
+            },
+            "power_of_two for the prefill role with server.disaggregation.prefill.replicas=1",
+        ),
+        (
+            ("deepseek-v4-flash-dspark",),
+            {"server": {"disaggregation": {"targetModelType": "deepseek_v41"}}},
+            (
+                "DSpark PD on DeepSeek-V4.1 (server.disaggregation.targetModelType=deepseek_v41) "
+                "needs static verify"
+            ),
+        ),
+    ],
+)
+def test_chart_refuses_pd_that_cannot_work(tmp_path, base, values, words):
+    files = [PROFILES[base[0]]] + ([MULTINODE] if "2x8" in base else [])
+    err = fails(tmp_path, _with_pd(values), *files)
+    assert words in err, err
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        # power_of_two with two replicas of each role
+        {
+            "router": {"policy": "power_of_two"},
+            "server": {"disaggregation": {"prefill": {"replicas": 2}, "decode": {"replicas": 2}}},
+        },
+        # with a static list the per-role policy is the prefill's own
+        {
+            "router": {"policy": "power_of_two", "discovery": "static"},
+            "server": {
+                "disaggregation": {"prefill": {"policy": "round_robin"}, "decode": {"replicas": 2}}
+            },
+        },
+        # DeepSeek-V4.1 with static verify, as SGLang requires
+        {
+            "speculative": {"dspark": {"raggedVerifyMode": "static", "scheduler": "static"}},
+            "server": {"disaggregation": {"targetModelType": "deepseek_v41"}},
+        },
+        {"server": {"disaggregation": {"transferBackend": "nixl"}}},
+    ],
+)
+def test_pd_combinations_that_work_render(tmp_path, values):
+    result = template(PROFILES["deepseek-v4-flash-dspark"], values_file(tmp_path, _with_pd(values)))
+    assert result.returncode == 0, result.stderr
+
+
+def test_pd_schema_refuses_a_role_without_replicas(tmp_path):
+    result = template(
+        values_file(tmp_path, _with_pd({"server": {"disaggregation": {"decode": {"replicas": 0}}}}))
+    )
+    assert result.returncode != 0
+    assert "'/server/disaggregation/decode/replicas'" in result.stderr, result.stderr
+
+
+def test_readme_says_how_to_turn_pd_on_and_that_it_never_ran():
+    readme = (CHART / "README.md").read_text()
+    section = readme.split("## Prefill/decode disaggregation", 1)[1].split("\n## ", 1)[0]
+    for claim in (
+        "server.disaggregation.enabled",
+        "--disaggregation-mode prefill",
+        "IPC_LOCK",
+        "rdma/ib",
+        "Mooncake or NIXL",
+        "sglang.ai/bootstrap-port",
+        "--pd-disaggregation",
+        # what the chart refuses
+        "multiNode",
+        "autoscaling",
+        "router.enabled",
+        "device=cpu",
+        "power_of_two",
+        "deepseek_v41",
+        "static verify",
+    ):
+        assert claim in section, claim
+    # the honest part: the plugin has never been run in PD mode (true while no file of the
+    # package or its tests, the chart's own tests aside, mentions it; once one does, this
+    # README sentence is stale)
+    assert "have not been run under\n`--disaggregation-mode`" in section
+    for root in (REPO / "sglang_dspark", REPO / "tests"):
+        for path in root.rglob("*.py"):
+            if path.name not in ("test_helm.py", "test_helm_fleet.py"):
+                assert "disaggregation_mode" not in path.read_text(errors="ignore"), path
 
 
 # --------------------------------------------------------------------------------------------

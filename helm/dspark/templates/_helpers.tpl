@@ -152,18 +152,54 @@ dspark.io/role: leader
 {{- end }}
 {{- end }}
 
-{{/* Stable DNS name of server replica i, for the static router list. */}}
+{{/* Stable DNS name of server replica i, for the static router list. With PD (pd: prefill
+or decode), replica i of that role's StatefulSet. Usage: include "dspark.replicaHost" (dict
+"ctx" $ "i" 0 "pd" "") */}}
 {{- define "dspark.replicaHost" -}}
 {{- if include "dspark.multiNode" .ctx }}
 {{- printf "%s-%d.%s.%s.svc" (include "dspark.workloadName" .ctx) (int .i) (include "dspark.workloadName" .ctx) .ctx.Release.Namespace }}
 {{- else }}
-{{- printf "%s-%d.%s.%s.svc" (include "dspark.serverName" .ctx) (int .i) (include "dspark.headlessName" .ctx) .ctx.Release.Namespace }}
+{{- printf "%s-%d.%s.%s.svc" (include "dspark.pdWorkloadName" (dict "ctx" .ctx "pd" (.pd | default ""))) (int .i) (include "dspark.headlessName" .ctx) .ctx.Release.Namespace }}
 {{- end }}
 {{- end }}
 
-{{/* Replicas the fleet has at its smallest (the autoscaler's minimum when it owns them). */}}
+{{/* Replicas the fleet has at its smallest (the autoscaler's minimum when it owns them; with
+PD the decode replicas, where requests run to completion). */}}
 {{- define "dspark.minReplicas" -}}
-{{- if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.minReplicas }}{{ else }}{{ int .Values.server.replicas }}{{ end }}
+{{- if include "dspark.pd" . }}{{ int .Values.server.disaggregation.decode.replicas }}
+{{- else if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.minReplicas }}{{ else }}{{ int .Values.server.replicas }}{{ end }}
+{{- end }}
+
+{{/* Prefill/decode disaggregation ------------------------------------------------------ */}}
+
+{{/* "true" when the servers are split into a prefill and a decode role. */}}
+{{- define "dspark.pd" -}}
+{{- if .Values.server.disaggregation.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The server roles as a JSON list: [""] (one StatefulSet, no PD) or ["prefill","decode"]. */}}
+{{- define "dspark.pdRoles" -}}
+{{- if include "dspark.pd" . }}["prefill","decode"]{{ else }}[""]{{ end }}
+{{- end }}
+
+{{/* StatefulSet of a role: <release>-server, or <release>-prefill / <release>-decode (short
+enough for the controller-revision-hash label: name + 11 characters <= 63). Usage:
+include "dspark.pdWorkloadName" (dict "ctx" $ "pd" "prefill") */}}
+{{- define "dspark.pdWorkloadName" -}}
+{{- if .pd }}{{ include "dspark.fullname" .ctx }}-{{ .pd }}{{ else }}{{ include "dspark.serverName" .ctx }}{{ end }}
+{{- end }}
+
+{{/* Selector labels of a role's pods: the server's, plus dspark.io/pd-role with PD. */}}
+{{- define "dspark.pdSelectorLabels" -}}
+{{ include "dspark.componentSelectorLabels" (dict "ctx" .ctx "component" "server") }}
+{{- if .pd }}
+dspark.io/pd-role: {{ .pd }}
+{{- end }}
+{{- end }}
+
+{{/* Replicas of a role (server.replicas without PD). */}}
+{{- define "dspark.pdReplicas" -}}
+{{- if .pd }}{{ int (index .ctx.Values.server.disaggregation .pd).replicas }}{{ else }}{{ int .ctx.Values.server.replicas }}{{ end }}
 {{- end }}
 
 {{/* PodDisruptionBudget spec body. With neither value set: maxUnavailable 1 when there are
@@ -312,6 +348,9 @@ maxUnavailable: 1
 {{- fail (printf "DSpark with DP attention and server.moeA2aBackend=%s needs speculative.dspark.raggedVerifyMode=static (and scheduler=static) in SGLang 0.5.23; use moeA2aBackend none to keep compact verify" $s.moeA2aBackend) }}
 {{- end }}
 {{- end }}
+{{- if include "dspark.pd" . }}
+{{- include "dspark.validatePD" . }}
+{{- end }}
 {{- if and .Values.autoscaling.enabled (eq .Values.autoscaling.engine "keda") (not .Values.monitoring.enableMetrics) }}
 {{- fail "autoscaling.engine=keda reads SGLang's Prometheus gauges: it needs monitoring.enableMetrics=true" }}
 {{- end }}
@@ -352,6 +391,46 @@ maxUnavailable: 1
 {{- end }}
 {{- if and (include "dspark.isEagle" .) (not (include "dspark.draftPath" .)) (not (has .Values.speculative.algorithm (list "NEXTN" "EAGLE"))) }}
 {{- fail (printf "speculative.algorithm=%s needs a draft model: set models.draft.repo or models.draft.path" .Values.speculative.algorithm) }}
+{{- end }}
+{{- end }}
+
+{{/* What cannot work with server.disaggregation.enabled (the chart's PD topology, or what
+SGLang 0.5.23 refuses at start-up). */}}
+{{- define "dspark.validatePD" -}}
+{{- $d := .Values.server.disaggregation }}
+{{- $r := .Values.router }}
+{{- if include "dspark.multiNode" . }}
+{{- fail "server.disaggregation with server.multiNode: the chart renders each PD role as a StatefulSet of single-node replicas; turn one of them off (multi-node prefill or decode groups are not rendered)" }}
+{{- end }}
+{{- if .Values.autoscaling.enabled }}
+{{- fail "server.disaggregation with autoscaling: the autoscaler scales one workload, PD has two (prefill and decode) whose ratio is yours to size; set autoscaling.enabled=false and size server.disaggregation.prefill.replicas / decode.replicas" }}
+{{- end }}
+{{- if not $r.enabled }}
+{{- fail "server.disaggregation needs router.enabled=true: a PD request must go to a prefill and a decode server together (the router in --pd-disaggregation mode pairs them); no client can use one role alone" }}
+{{- end }}
+{{- if include "dspark.isCPU" . }}
+{{- fail "server.disaggregation needs GPUs: SGLang's KV transfer (Mooncake or NIXL over RDMA) does not run with server.device=cpu" }}
+{{- end }}
+{{- if not (has $d.transferBackend (list "mooncake" "nixl")) }}
+{{- fail (printf "server.disaggregation.transferBackend=%q: the chart renders mooncake or nixl (the KV cache over RDMA between GPU pods; the backend must be installed in the image). SGLang 0.5.23 also knows ascend (Ascend NPUs), mori (ROCm), mooncake_tcp and fake (moves no KV), which this chart does not set up" $d.transferBackend) }}
+{{- end }}
+{{- if eq (int $d.bootstrapPort) (int .Values.server.port) }}
+{{- fail (printf "server.disaggregation.bootstrapPort (%d) must differ from server.port: the prefill server listens on both" (int $d.bootstrapPort)) }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $cfg := index $d $role }}
+{{- $policies := list (default $r.policy $cfg.policy) }}
+{{- if eq $r.discovery "kubernetes" }}
+{{- /* with discovery SMG runs in IGW mode, whose PD router may take router.policy for both roles */}}
+{{- $policies = append $policies $r.policy }}
+{{- end }}
+{{- if and (has "power_of_two" $policies) (lt (int $cfg.replicas) 2) }}
+{{- fail (printf "router policy power_of_two for the %s role with server.disaggregation.%s.replicas=%d: power_of_two picks the less loaded of two %s servers, with one it has nothing to choose from; set server.disaggregation.%s.policy (and router.policy) to round_robin, or run 2+ %s replicas" $role $role (int $cfg.replicas) $role $role $role) }}
+{{- end }}
+{{- end }}
+{{- $spec := .Values.speculative }}
+{{- if and (eq $spec.algorithm "DSPARK") (eq $d.targetModelType "deepseek_v41") (ne $spec.dspark.raggedVerifyMode "static") }}
+{{- fail (printf "DSpark PD on DeepSeek-V4.1 (server.disaggregation.targetModelType=deepseek_v41) needs static verify: SGLang 0.5.23 refuses it at start-up otherwise (\"DeepSeek-V4.1 DSpark PD requires static verify, Mooncake or NIXL\"); set speculative.dspark.raggedVerifyMode=static and scheduler=static (got %s)" $spec.dspark.raggedVerifyMode) }}
 {{- end }}
 {{- end }}
 

@@ -1,11 +1,21 @@
 {{/* The server pod template (metadata + spec), shared by the StatefulSet and both templates of
-the LeaderWorkerSet. Usage: include "dspark.serverPodTemplate" (dict "ctx" $ "role" "single")
-with role single (StatefulSet pod), leader (multi-node rank 0: the HTTP API) or worker (rank
-1..nodes-1: SGLang answers /health only). */}}
+the LeaderWorkerSet. Usage: include "dspark.serverPodTemplate" (dict "ctx" $ "role" "single"
+"pd" "") with role single (StatefulSet pod), leader (multi-node rank 0: the HTTP API) or worker
+(rank 1..nodes-1: SGLang answers /health only), and pd "" or, with
+server.disaggregation.enabled, prefill or decode (a single pod per replica). */}}
 {{- define "dspark.serverPodTemplate" -}}
 {{- $ := .ctx }}
 {{- $role := .role }}
+{{- $pd := .pd | default "" }}
 {{- $s := $.Values.server }}
+{{- $dis := $s.disaggregation }}
+{{- $resources := $s.resources }}
+{{- $securityContext := $s.securityContext }}
+{{- if $pd }}
+{{- $resources = default $s.resources (index $dis $pd).resources }}
+{{- /* RDMA registers (pins) the KV buffers: IPC_LOCK, on the PD server containers only */}}
+{{- $securityContext = merge (dict "capabilities" (dict "add" (list "IPC_LOCK"))) (deepCopy $s.securityContext) }}
+{{- end }}
 {{- $spec := $.Values.speculative }}
 {{- $models := $.Values.models }}
 {{- $gpus := include "dspark.gpus" $ | int }}
@@ -18,12 +28,19 @@ metadata:
     {{- if ne $role "single" }}
     dspark.io/role: {{ $role }}
     {{- end }}
+    {{- with $pd }}
+    dspark.io/pd-role: {{ . }}
+    {{- end }}
     {{- with $s.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   annotations:
     # Roll the pods when calibration tables change.
     checksum/calibration: {{ include (print $.Template.BasePath "/calibration-configmap.yaml") $ | sha256sum }}
+    {{- if eq $pd "prefill" }}
+    # SMG's Kubernetes discovery reads a prefill pod's bootstrap port from this annotation.
+    sglang.ai/bootstrap-port: {{ int $dis.bootstrapPort | quote }}
+    {{- end }}
     {{- with $s.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -150,6 +167,21 @@ spec:
         - --moe-a2a-backend
         - {{ . | quote }}
         {{- end }}
+        {{- if $pd }}
+        - --disaggregation-mode
+        - {{ $pd | quote }}
+        - --disaggregation-transfer-backend
+        - {{ $dis.transferBackend | quote }}
+        {{- if eq $pd "prefill" }}
+        # decode servers fetch the KV location here (the router tells them where)
+        - --disaggregation-bootstrap-port
+        - {{ int $dis.bootstrapPort | quote }}
+        {{- end }}
+        {{- with $dis.ibDevice }}
+        - --disaggregation-ib-device
+        - {{ . | quote }}
+        {{- end }}
+        {{- end }}
         {{- if ne $role "single" }}
         # Rank and rendezvous from the LeaderWorkerSet's environment (LWS_*, set by its webhook).
         - --nnodes
@@ -230,6 +262,11 @@ spec:
         {{- range $s.extraArgs }}
         - {{ . | quote }}
         {{- end }}
+        {{- if $pd }}
+        {{- range (index $dis $pd).extraArgs }}
+        - {{ . | quote }}
+        {{- end }}
+        {{- end }}
       env:
         {{- if eq $spec.algorithm "DSPARK" }}
         {{- $needs := ternary "static" "compact" (eq $spec.dspark.scheduler "static") }}
@@ -290,6 +327,11 @@ spec:
           containerPort: {{ int $s.multiNode.distInitPort }}
           protocol: TCP
         {{- end }}
+        {{- if eq $pd "prefill" }}
+        - name: bootstrap
+          containerPort: {{ int $dis.bootstrapPort }}
+          protocol: TCP
+        {{- end }}
       startupProbe:
         {{- toYaml $s.startupProbe | nindent 8 }}
       livenessProbe:
@@ -303,7 +345,7 @@ spec:
         {{- end }}
       resources:
         requests:
-          {{- with $s.resources.requests }}
+          {{- with $resources.requests }}
           {{- toYaml . | nindent 10 }}
           {{- end }}
           {{- if gt $gpus 0 }}
@@ -313,9 +355,12 @@ spec:
           {{- with $s.multiNode.extraResources }}
           {{- toYaml . | nindent 10 }}
           {{- end }}
+          {{- end }}
+          {{- if and $pd $dis.rdma.resourceName }}
+          {{ $dis.rdma.resourceName }}: {{ int $dis.rdma.count }}
           {{- end }}
         limits:
-          {{- with $s.resources.limits }}
+          {{- with $resources.limits }}
           {{- toYaml . | nindent 10 }}
           {{- end }}
           {{- if gt $gpus 0 }}
@@ -326,8 +371,11 @@ spec:
           {{- toYaml . | nindent 10 }}
           {{- end }}
           {{- end }}
+          {{- if and $pd $dis.rdma.resourceName }}
+          {{ $dis.rdma.resourceName }}: {{ int $dis.rdma.count }}
+          {{- end }}
       securityContext:
-        {{- toYaml $s.securityContext | nindent 8 }}
+        {{- toYaml $securityContext | nindent 8 }}
       volumeMounts:
         {{- if include "dspark.hasModelVolume" $ }}
         # SGLang only reads the weights.
