@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
+from conftest import broken_sampler, sample_prompts
 
 from sglang_dspark.losslessness import LosslessnessReport, compare_samples
 from sglang_dspark.server import SGLangServer, free_port
@@ -59,9 +60,14 @@ PROMPT_LENS = (5, 45, 200, 600, 2300)  # 2300 > 4 * 512: the C4 indexer's top-51
 
 
 @pytest.fixture(scope="module")
-def tiny_v4():
+def tiny_v4(servers):
+    """The tiny V4 checkpoint. The session's SmolLM2 servers (up to six, 1-3 GB each) are
+    stopped first: the V4 servers and the float32 reference need the memory, and the V4
+    tests run last among the server tests (a later test that asks the pool for one starts it
+    again)."""
     from sglang_dspark.v4 import tiny
 
+    servers.stop_all()
     return tiny.build_tiny_v4()
 
 
@@ -122,6 +128,10 @@ def greedy(server, prompts) -> list[dict]:
 # Sampling (see test_dspark_sampling_matches_plain_target): temperature 0.3, no top-k / top-p.
 SAMPLING = {"temperature": 0.3, "max_new_tokens": 4, "ignore_eos": True}
 SAMPLES = 48  # continuations per prompt and server
+# accept_all keeps the random draft's tokens, which land in the target's improbable mass: 24
+# of them against the plain server's 48 put a position's bins at about (0, 0, 0, 24) against
+# (12, 12, 12, 12), chi-square p ~ 1e-8 against a per-test threshold of about 1e-4
+BROKEN_SAMPLES = 24
 SAMPLED_PROMPTS = 2  # the 5- and 45-token prompts
 MASS_BINS = 4  # per-position tests
 JOINT_MASS_BINS = 2  # the joint test: 8 bin tuples fill at 2 x 48 samples, 64 would not
@@ -130,21 +140,10 @@ JOINT = (0, 1, 2)
 ALPHA = 0.001
 
 
-def _sample(server, ids: list[int]) -> tuple[list[list[int]], int, int]:
-    """SAMPLES continuations in one request; with the drafts accepted and proposed, summed."""
-    body = {"input_ids": [ids] * SAMPLES, "sampling_params": SAMPLING}
-    r = requests.post(server.base_url + "/generate", json=body, timeout=3600)
-    r.raise_for_status()
-    rows = r.json()
-    correct = sum(row["meta_info"].get("spec_num_correct_drafts", 0) for row in rows)
-    proposed = sum(row["meta_info"].get("spec_num_proposed_drafts", 0) for row in rows)
-    return [row["output_ids"] for row in rows], correct, proposed
-
-
 @pytest.fixture(scope="module")
 def plain_samples(server, prompts) -> list[list[list[int]]]:
     """The plain server's sampled continuations, drawn before the DSPARK server replaces it."""
-    return [_sample(server, p)[0] for p in prompts[:SAMPLED_PROMPTS]]
+    return sample_prompts(server, prompts[:SAMPLED_PROMPTS], SAMPLES, SAMPLING).samples
 
 
 @pytest.fixture(scope="module")
@@ -338,15 +337,6 @@ def _sampling_report(model, prompts, test, plain) -> LosslessnessReport:
     )
 
 
-def _collect(server, prompts) -> tuple[list[list[list[int]]], int, int]:
-    samples, correct, proposed = [], 0, 0
-    for ids in prompts:
-        s, c, n = _sample(server, ids)
-        samples.append(s)
-        correct, proposed = correct + c, proposed + n
-    return samples, correct, proposed
-
-
 def test_dspark_sampling_matches_plain_target(dspark_server, prompts, plain_samples, reference):
     """Temperature 0.3, SAMPLES continuations of 4 tokens for the 5- and 45-token prompts from
     the DSPARK server and the plain one, compared with chi-square tests (per position 2..4 and
@@ -365,7 +355,8 @@ def test_dspark_sampling_matches_plain_target(dspark_server, prompts, plain_samp
     position (power 0.8, `report.detectable_tv`). The joint test bins the three tokens by halves of the mass (8
     tuples; quarters would give 64, too many to fill at this size). The negative control is
     `test_broken_sampler_fails_the_same_test`."""
-    samples, correct, proposed = _collect(dspark_server, prompts[:SAMPLED_PROMPTS])
+    got = sample_prompts(dspark_server, prompts[:SAMPLED_PROMPTS], SAMPLES, SAMPLING)
+    samples, correct, proposed = got.samples, got.correct, got.proposed
     assert 0 < correct < proposed, f"{correct} of {proposed} drafts accepted"
     report = _sampling_report(reference, prompts[:SAMPLED_PROMPTS], samples, plain_samples)
     print(f"DSPARK sampling: {correct} of {proposed} drafts accepted; {report.summary()}")
@@ -378,11 +369,9 @@ def test_broken_sampler_fails_the_same_test(dspark_server, prompts, plain_sample
     """Negative control on the same server: with its sampler switched to keep every draft
     (`accept_all`), the continuations are the random draft's own tokens, which fall in the
     target's improbable mass; the comparison above must fail."""
-    dspark_server.break_switch.write_text("accept_all")
-    try:
-        samples, correct, proposed = _collect(dspark_server, prompts[:SAMPLED_PROMPTS])
-    finally:
-        dspark_server.break_switch.write_text("")
+    with broken_sampler(dspark_server, "accept_all"):
+        got = sample_prompts(dspark_server, prompts[:SAMPLED_PROMPTS], BROKEN_SAMPLES, SAMPLING)
+    samples, correct, proposed = got.samples, got.correct, got.proposed
     report = _sampling_report(reference, prompts[:SAMPLED_PROMPTS], samples, plain_samples)
     print(f"DSPARK accept_all: {correct} of {proposed} drafts kept; {report.summary()}")
     assert correct > 0.5 * proposed > 0, (correct, proposed)  # honest: about 0.2
