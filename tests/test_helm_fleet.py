@@ -732,6 +732,12 @@ def _notes(*files: Path, release: str = RELEASE) -> str:
     return result.stdout.split("NOTES:", 1)[1]
 
 
+def _readme_section(heading: str) -> str:
+    """The chart README from `heading` to the next second-level heading."""
+    readme = (CHART / "README.md").read_text()
+    return readme.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
 def test_readme_and_notes_say_the_same_about_a_missing_sps_table():
     gpu = _notes(PROFILES["qwen3-8b-dspark"])
     cpu = _notes(PROFILES["cpu-smollm2"])
@@ -741,7 +747,7 @@ def test_readme_and_notes_say_the_same_about_a_missing_sps_table():
     assert "survives restarts: the next start reads it" in gpu
     assert "every new pod profiles again" in cpu
     readme = (CHART / "README.md").read_text()
-    section = readme.split("### Without an SPS table", 1)[1].split("\n## ", 1)[0]
+    section = _readme_section("### Without an SPS table")
     for claim in (
         "profiles SPS(B) at start-up",
         "DSPARK_CACHE_DIR",
@@ -1554,8 +1560,7 @@ def test_pd_schema_refuses_a_role_without_replicas(tmp_path):
 
 
 def test_readme_says_how_to_turn_pd_on_and_that_it_never_ran():
-    readme = (CHART / "README.md").read_text()
-    section = readme.split("## Prefill/decode disaggregation", 1)[1].split("\n## ", 1)[0]
+    section = _readme_section("## Prefill/decode disaggregation")
     for claim in (
         "server.disaggregation.enabled",
         "--disaggregation-mode prefill",

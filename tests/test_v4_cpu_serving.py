@@ -61,7 +61,7 @@ PROMPT_LENS = (5, 45, 200, 600, 2300)  # 2300 > 4 * 512: the C4 indexer's top-51
 
 @pytest.fixture(scope="module")
 def tiny_v4(servers):
-    """The tiny V4 checkpoint. The session's SmolLM2 servers (up to six, 1-3 GB each) are
+    """The tiny V4 checkpoint. The session's SmolLM2 servers (up to five, 2-3 GB each) are
     stopped first: the V4 servers and the float32 reference need the memory, and the V4
     tests run last among the server tests (a later test that asks the pool for one starts it
     again)."""
