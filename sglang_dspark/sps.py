@@ -242,8 +242,34 @@ def _device_sync(device) -> Callable[[], None]:
 
 def _dummy_forward(model_runner, max_requests: int, tokens_per_request: int):
     """run(R, k): SGLang's dummy TARGET_VERIFY forward of `model_runner` (its warm-up path) for
-    R requests of k tokens, on one buffer set; `restore()` undoes the overrides."""
+    R requests of k tokens, on one buffer set; `restore()` undoes the overrides.
+
+    The warm-up dummy is built for full windows: its spec input (`create_dummy_verify_input`)
+    says `draft_token_num = speculative_num_draft_tokens` and carries no ragged layout. A backend
+    that sizes the verify from the batch's tokens (torch_native, `_window_lens`) runs any k that
+    way, but one that reads the spec input does not: DeepSeek-V4's (`deepseek_v4_backend.py`)
+    expands a layout-less verify to `speculative_num_draft_tokens` tokens per request
+    (`init_forward_metadata_target_verify`), 6 against the R k out-cache-locs the buffers hold
+    (`init_compression_metadata`'s assert, `raw_out_loc.shape=1, num_tokens=6` at m = 1), and
+    sizes a DSpark draft block by `draft_token_num`. So the dummy batch is given, through
+    `ModelRunner.prepare_dummy_forward_batch` (the hook SGLang calls on a runner-created dummy
+    batch before attention metadata), what the engine's own batches carry:
+
+    - target, `SGLANG_RAGGED_VERIFY_MODE=compact` (the `sync` and `async` schedulers): a
+      `RaggedVerifyLayout` of R windows of k tokens, built as the planner builds an eager
+      step's (`RaggedVerifyLayout.from_verify_lens`, grid = the total: no CUDA-graph tier), so
+      the timed path is compact ragged verify. Other modes verify whole windows: no layout.
+    - draft: `draft_token_num = k`, the block the DSpark worker's own spec input gives the
+      drafter (`make_draft_block_spec_info(draft_token_num=query_token_num)`).
+
+    Dense models on torch_native time the same forward as before (the layout's lengths are the
+    uniform ones `_window_lens` derived from the token count)."""
     import torch
+    from sglang.srt.speculative.ragged_verify import (
+        RaggedVerifyLayout,
+        RaggedVerifyMode,
+        read_ragged_verify_mode,
+    )
 
     runner = getattr(model_runner, "eager_runner", None)
     if runner is None:
@@ -263,16 +289,63 @@ def _dummy_forward(model_runner, max_requests: int, tokens_per_request: int):
         if "get_cuda_graph_seq_len_fill_value" in vars(backend):
             del backend.get_cuda_graph_seq_len_fill_value
 
+    is_draft = bool(getattr(model_runner, "is_draft_worker", False))
+    compact = not is_draft and read_ragged_verify_mode() is RaggedVerifyMode.COMPACT
+    prepare = model_runner.prepare_dummy_forward_batch  # SGLang's (bound), kept under ours
+    layouts: dict[tuple[int, int], RaggedVerifyLayout] = {}
+    shape = [0, 0]  # (R, k) of the forward being run
+
+    def layout(r: int, k: int) -> RaggedVerifyLayout:
+        if (r, k) not in layouts:  # built once per shape (the warm-up sweep), not timed
+            layouts[r, k] = RaggedVerifyLayout.from_verify_lens(
+                verify_lens_cpu=[k] * r, device=model_runner.device, grid=[r * k]
+            )
+        return layouts[r, k]
+
+    def prepare_like_the_engine(forward_batch):
+        forward_batch = prepare(forward_batch)
+        spec = forward_batch.spec_info
+        r, k = shape
+        if spec is not None and is_draft:
+            spec.draft_token_num = spec.num_tokens_per_req = k
+            spec.num_tokens_for_logprob_per_req = k
+        elif spec is not None and compact:
+            spec.ragged_verify_layout = layout(r, k)
+        return forward_batch
+
     def run(r: int, k: int) -> None:
+        shape[:] = r, k
         model_runner.decode_num_tokens_per_req = lambda *a, **kw: k
+        model_runner.prepare_dummy_forward_batch = prepare_like_the_engine
         with torch.inference_mode():
             runner._dummy_run(batch_size=r, buffers=buffers)
 
     def restore() -> None:
-        if "decode_num_tokens_per_req" in vars(model_runner):
-            del model_runner.decode_num_tokens_per_req
+        for name in ("decode_num_tokens_per_req", "prepare_dummy_forward_batch"):
+            if name in vars(model_runner):
+                delattr(model_runner, name)
 
     return run, restore
+
+
+def _output_rows(model_runner, run: Callable[[], None]):
+    """The hidden states `model_runner.model.forward` returns during `run()` (one forward)."""
+    model = model_runner.model
+    forward, seen = model.forward, []
+
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append(out.hidden_states)
+        return out
+
+    model.forward = spy  # an instance attribute: `_dummy_run` calls `mr.model.forward(...)`
+    try:
+        run()
+    finally:
+        del model.forward
+    if not seen or seen[0] is None:
+        raise RuntimeError("the draft backbone's dummy forward returned no hidden states")
+    return seen[0]
 
 
 def profile_verify(
@@ -315,9 +388,14 @@ def profile_draft(
     q = gamma if draft_model.sample_from_anchor else gamma + 1
     device = torch.device(draft_runner.device)
     run_backbone, restore = _dummy_forward(draft_runner, max_requests, q)
-    hidden = int(draft_runner.model_config.hidden_size)
-    dtype = draft_runner.model_config.dtype
-    feats = torch.randn(max_requests * gamma, hidden, dtype=dtype, device=device)
+    try:
+        # the rows compute_base_logits takes are the backbone's own output rows: [hidden] for
+        # a dense drafter, [hc_mult, hidden] for DeepSeek-V4's (collapsed by its hc head)
+        row = _output_rows(draft_runner, lambda: run_backbone(1, q))
+    except BaseException:
+        restore()
+        raise
+    feats = torch.randn(max_requests * gamma, *row.shape[1:], dtype=row.dtype, device=device)
     anchors = torch.zeros(max_requests, dtype=torch.long, device=device)
     noise = DraftNoise(key=0, offset=torch.zeros(1, dtype=torch.int64, device=device))
 
@@ -407,8 +485,9 @@ def load_cached(key: SpsKey) -> SpsTable | None:
         return None
 
 
-def save_cached(key: SpsKey, table: SpsTable, *, seconds: float, busy: bool = False,
-                cpu: dict | None = None) -> Path:
+def save_cached(
+    key: SpsKey, table: SpsTable, *, seconds: float, busy: bool = False, cpu: dict | None = None
+) -> Path:
     """Write `<key>.json` ({"key", "table", "profile_seconds", "cpu"}) and `<key>.table.json`
     (the bare table, what `--speculative-dspark-sps-table-path` takes), atomically. `busy`: a
     profile taken on a contended machine goes to `<key>.busy.json` only, which is never read

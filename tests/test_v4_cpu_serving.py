@@ -37,9 +37,11 @@ attention differs from the server by a mean of 0.074 to 0.249 and a 99th percent
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -240,9 +242,8 @@ def test_the_check_can_fail(greedy, prompts, reference, monkeypatch):
 @pytest.fixture(scope="module")
 def dspark_server(server, greedy, plain_samples, tiny_v4, tmp_path_factory):
     """DSPARK with the checkpoint's bundled draft (random weights), after the plain server is
-    stopped (one server at a time; the tests above ran on it, its samples are kept).
-    `SGLANG_DSPARK_SPS_PROFILE=0`: the start-up SPS profile's dummy TARGET_VERIFY forward
-    trips the V4 backend's out-loc check (docs/deepseek-v4.md), so the flat table is used.
+    stopped (one server at a time; the tests above ran on it, its samples are kept). Launched
+    as a user types it: the start-up SPS profile runs (`test_dspark_start_up_profiled_sps`).
     `srv.break_switch`: the file its sampler reads its test-only broken mode from (empty:
     honest), so the negative control needs no second start-up."""
     server.stop()
@@ -250,12 +251,34 @@ def dspark_server(server, greedy, plain_samples, tiny_v4, tmp_path_factory):
     switch = log_dir / "break-sampler"
     srv = _start(
         tiny_v4, log_dir, extra=["--speculative-algorithm", "DSPARK"],
-        env_extra={"SGLANG_DSPARK_SPS_PROFILE": "0",
-                   "SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE": str(switch)},
+        env_extra={"SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE": str(switch)},
     )  # fmt: skip
     srv.break_switch = switch
     yield srv
     srv.stop()
+
+
+def test_dspark_start_up_profiled_sps(dspark_server, tiny_v4):
+    """The DSPARK server profiled SGLang's additive SPS table at start-up (or read one profiled
+    so before) on V4's own forwards: the target's compact ragged verify at every probe m and
+    the draft pass at every R. Before the profile's dummy batches carried V4's ragged layout
+    and draft block width, the verify probe crashed the start-up (`deepseek_v4_backend.py`'s
+    out-loc assert) and the draft pass was skipped (alpha = 0)."""
+    from sglang_dspark import sps
+
+    log = dspark_server.log_text()
+    found = sps.STARTUP_LINE.findall(log)
+    assert found, "the server neither profiled nor read an SPS table at start-up"
+    assert "the draft pass could not be timed" not in log
+    record = json.loads(Path(found[-1]).read_text())
+    assert record["key"]["model"] == os.path.realpath(tiny_v4)
+    table = record["table"]
+    assert table["m_probes"] == list(record["key"]["verify_tokens"])
+    assert table["m_probes"][-1] == 4 * 6  # R_max (gamma + 1): every window whole
+    assert table["bs_probes"] == list(record["key"]["draft_requests"]) == [1, 2, 4]
+    theta, alpha = table["theta_seconds"], table["alpha_seconds"]
+    assert table["bias_seconds"] > 0 and theta == sorted(theta) and theta[-1] > 0
+    assert alpha == sorted(alpha) and alpha[0] > 0  # the draft pass was timed, per request
 
 
 @pytest.fixture(scope="module")
@@ -371,8 +394,13 @@ def test_broken_sampler_fails_the_same_test(dspark_server, prompts, plain_sample
     target's improbable mass; the comparison above must fail."""
     with broken_sampler(dspark_server, "accept_all"):
         got = sample_prompts(dspark_server, prompts[:SAMPLED_PROMPTS], BROKEN_SAMPLES, SAMPLING)
-    samples, correct, proposed = got.samples, got.correct, got.proposed
+    samples, correct, verified = got.samples, got.correct, got.verified
     report = _sampling_report(reference, prompts[:SAMPLED_PROMPTS], samples, plain_samples)
-    print(f"DSPARK accept_all: {correct} of {proposed} drafts kept; {report.summary()}")
-    assert correct > 0.5 * proposed > 0, (correct, proposed)  # honest: about 0.2
+    print(
+        f"DSPARK accept_all: {correct} of {verified} verified drafts kept "
+        f"({got.proposed} proposed); {report.summary()}"
+    )
+    # against the verified drafts, not the proposed: the profiled SPS table lets the scheduler
+    # trim the random draft's low-confidence windows to a token or none
+    assert correct > 0.5 * verified > 0, (correct, verified)  # honest: about 0.2
     assert not report.passed, report.summary()
