@@ -62,7 +62,16 @@ def _lazy(module: str, add: str, run: str):
     return getattr(mod, add), getattr(mod, run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_command(argv: list[str] | None) -> str | None:
+    """The subcommand named on the command line (first word that is not an option)."""
+    words = sys.argv[1:] if argv is None else argv
+    return next((w for w in words if not w.startswith("-")), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported: the others' (torch, SGLang) are not
+    needed to run it, so `train` or `data` work where SGLang is not installed."""
+    chosen = _chosen_command(argv)
     parser = argparse.ArgumentParser(prog="sglang-dspark", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
          "Pareto curves (Figures 7, 8) from loadtest/sla.py summaries"),
     ]:
         p = sub.add_parser(name, help=text)
+        if name != chosen:
+            continue
         add_fn, run_fn = _lazy(module, add, run)
         add_fn(p)
         p.set_defaults(func=run_fn)
@@ -133,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",

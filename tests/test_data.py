@@ -475,3 +475,40 @@ def test_cli_build_with_hf_backend(tiny_target, tmp_path):
     assert summary["backend"] == "hf" and summary["sampling"]["mode"] == "greedy"
     assert summary["sources"]["code"]["stdlib"]["sha256"] == stdlib_manifest().sha256
     assert set(summary["dropped_eval_overlap"]) == set(DOMAINS)
+
+
+def test_cli_build_answers_a_prompts_file(tiny_target, tmp_path):
+    """`data build --prompts FILE`: the user's own prompts (the format `data prompts` writes),
+    answered in file order per domain, eval overlaps dropped; bad files refused with the line."""
+    gsm = json.loads(
+        (Path(EvalGuard.from_dir().source) / "gsm8k.jsonl").read_text().splitlines()[0]
+    )["turns"][0]
+    rows = [
+        {"id": "mine/0", "domain": "support", "messages": [{"role": "user", "content": "Reset my router?"}]},
+        {"messages": [{"role": "user", "content": "Plan a three-day trip to Lisbon."}]},
+        {"id": "mine/2", "domain": "support", "messages": [{"role": "user", "content": gsm}]},
+        {"id": "mine/3", "domain": "support", "messages": [{"role": "user", "content": "Why is DNS slow?"}]},
+    ]  # fmt: skip
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parser = argparse.ArgumentParser()
+    data_cli.add_arguments(parser)
+    out = tmp_path / "out"
+    base = ["build", "--out", str(out), "--target", str(tiny_target), "--backend", "hf",
+            "--max-new-tokens", "3", "--no-progress", "--dtype", "float32", "--device", "cpu"]  # fmt: skip
+    assert data_cli.run(parser.parse_args([*base, "--prompts", str(prompts)])) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert {d: s["sequences"] for d, s in summary["domains"].items()} == {"support": 2, "custom": 1}
+    assert summary["dropped_eval_overlap"] == {"support": 1}
+    assert summary["sources"]["prompts_file"] == "mine.jsonl"
+    ids = [json.loads(line)["id"] for f in sorted(out.glob("*.jsonl")) for line in f.open()]
+    assert sorted(ids) == ["mine/0", "mine/1", "mine/3"]  # unnamed rows: file stem / line
+
+    prompts.write_text(json.dumps({"prompt": "no messages"}) + "\n")
+    with pytest.raises(ValueError, match="line 1 has no 'messages'"):
+        data_cli.run(parser.parse_args([*base, "--prompts", str(prompts)]))
+    prompts.write_text("{not json\n")
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        data_cli.run(parser.parse_args([*base, "--prompts", str(prompts)]))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data_cli.run(parser.parse_args([*base, "--prompts", str(tmp_path / "none.jsonl")]))

@@ -432,3 +432,99 @@ def test_feature_store_shares_target_features_between_runs(setup, tmp_path):
                          feature_cache_gb=0.0, feature_store=str(store)))  # fmt: skip
     again.train()
     assert again._store.misses == 1 and again._store.hits == 15
+
+
+# ------------------------------------------------------------------ devices
+def test_device_resolution_and_refusals(monkeypatch):
+    from sglang_dspark.drafter.config import DraftConfigError
+    from sglang_dspark.drafter.train import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(DraftConfigError, match="sees no CUDA device.*--device cpu"):
+        resolve_device("cuda")
+    with pytest.raises(DraftConfigError, match="cpu or cuda"):
+        resolve_device("meta")
+    with pytest.raises(DraftConfigError, match="not a device"):
+        resolve_device("gpu0")
+    # With CUDA: auto and a bare "cuda" mean this rank's device (LOCAL_RANK under torchrun).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(DraftConfigError, match="2 CUDA devices"):
+        resolve_device("cuda:2")
+
+
+def _tensors(obj, prefix=""):
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name), f"{prefix}.{f.name}")
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dspark-topk", "dspark-mse", "mtp"])
+def test_every_micro_batch_tensor_moves_to_the_training_device(setup, kind):
+    """What a step hands the drafter is moved as a whole (``to_device``): no tensor of a
+    micro-batch (layout, labels, teacher logits or top-k, MSE targets) stays behind. Checked
+    with the meta device, which any CPU torch has; the CPU path itself copies nothing."""
+    from sglang_dspark.drafter.train import build_trainer, to_device
+
+    root, target = setup
+    kw = {"dspark-topk": {"target_topk": 8}, "dspark-mse": {"dense_anchors": 3, "mse_weight": 0.1},
+          "mtp": {"drafter": "mtp"}}.get(kind, {})  # fmt: skip
+    tr = build_trainer(_cfg(root, target, f"mb-{kind}", **kw))
+    assert tr.device == torch.device("cpu")
+    mb = tr._micro_batch(tr._plan(0)[:2])
+    found = dict(_tensors(mb))
+    assert len(found) >= 5, found.keys()
+    assert to_device(mb, torch.device("cpu")).labels is mb.labels  # nothing copied on the CPU
+    moved = dict(_tensors(to_device(mb, torch.device("meta"))))
+    assert moved.keys() == found.keys()
+    assert {name: t.device.type for name, t in moved.items()} == dict.fromkeys(found, "meta")
+    assert [f.name for f in dataclasses.fields(mb)] == [
+        f.name for f in dataclasses.fields(to_device(mb, torch.device("meta")))
+    ]
+
+
+def test_explicit_cpu_device_trains_the_same_weights_as_auto(setup):
+    root, target = setup
+    a = Trainer(_cfg(root, target, "dev-auto", steps=3)).train()
+    b = Trainer(_cfg(root, target, "dev-cpu", steps=3, device="cpu")).train()
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_cuda_device_without_cuda_stops_before_the_target_loads(setup, monkeypatch, capsys):
+    from sglang_dspark.drafter.config import DraftConfigError
+
+    root, target = setup
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DraftConfigError, match="sees no CUDA device"):
+        Trainer(_cfg(root, target, "dev-cuda", steps=1, device="cuda"))
+    cfg = _cfg(root, target, "dev-cuda-cli", steps=1)
+    path = _write_config(cfg, root / "dev-cuda.json")
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(path), "--device", "cuda:0"])
+    assert e.value.code == 2 and "--device cpu" in capsys.readouterr().err
+
+
+def test_time_limit_exports_at_a_step_boundary_and_resumes(setup):
+    """--time-limit-s: stop after the step that crosses the limit, checkpoint, export; a rerun
+    with the same out dir continues to the planned steps exactly as an unboxed run."""
+    root, target = setup
+    boxed = Trainer(_cfg(root, target, "boxed", steps=6, time_limit_s=0.0))
+    out = boxed.train()
+    assert boxed.step == 1 and (out / "model.safetensors").is_file()
+    rows = [json.loads(line) for line in (root / "boxed" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["elapsed_s"] > 0
+    resumed = Trainer(_cfg(root, target, "boxed", steps=6))
+    assert resumed.step == 1
+    resumed.train()
+    straight = Trainer(_cfg(root, target, "unboxed", steps=6)).train()
+    a, b = _weights(root / "boxed"), load_file(str(straight / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

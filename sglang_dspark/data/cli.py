@@ -4,6 +4,8 @@
     sglang-dspark data build --out DATA --target TARGET_DIR --backend sglang \\
         --base-url http://127.0.0.1:30000 --per-domain 1000 --seed 0 --max-new-tokens 512
     sglang-dspark data build --out DATA --target TARGET_DIR --backend hf --per-domain 20
+    sglang-dspark data build --out DATA --target TARGET_DIR --backend hf --prompts prompts.jsonl \
+        --device cuda --batch-size 256 --temperature 0.7     # your own prompts, on a GPU
 
 Wire with ``add_arguments(sub.add_parser("data"))`` and ``set_defaults(func=run)``.
 """
@@ -59,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per generate (hf)")
     p.add_argument("--dtype", default="auto", help="model dtype for the hf backend")
+    p.add_argument(
+        "--device", default="auto", help="hf backend: auto (CUDA when there is one), cpu, cuda:N"
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL of prompts to answer ({'messages': [...], 'domain': ...} per line, e.g. "
+        "from `data prompts`) instead of building them; --per-domain/--domains do not apply",
+    )
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -82,6 +93,45 @@ def _prompt_set(args: argparse.Namespace):
     if guard is not None:
         logger.info("eval guard (%s): dropped %s", guard.source, prompts.dropped)
     return prompts
+
+
+def _prompt_file(args: argparse.Namespace):
+    """``--prompts FILE`` as a PromptSet: every prompt in file order, grouped by its domain
+    (``custom`` when it names none), eval overlaps dropped unless --no-eval-guard."""
+    from .eval_guard import EvalGuard
+    from .prompts import PromptSet, read_prompts
+
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts {path} does not exist")
+    try:
+        rows = read_prompts(path)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--prompts {path}: line {e.lineno} is not JSON ({e.msg})") from e
+    guard = None if args.no_eval_guard else EvalGuard.from_dir(args.eval_dir)
+    by_domain: dict[str, list[dict]] = {}
+    dropped: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"--prompts {path}: line {i + 1} has no 'messages' list "
+                             "(expected the format `sglang-dspark data prompts` writes)")  # fmt: skip
+        domain = str(row.get("domain") or "custom")
+        prompt = {**row, "id": str(row.get("id") or f"{path.stem}/{i}"), "domain": domain}
+        if guard is not None and not guard.keep(prompt):
+            dropped[domain] = dropped.get(domain, 0) + 1
+            continue
+        by_domain.setdefault(domain, []).append(prompt)
+    if not by_domain:
+        raise ValueError(f"--prompts {path}: no prompt left (after the eval guard: {dropped})")
+    sources = {"prompts_file": path.name, "sha256": _sha256(path)}
+    return PromptSet(args.seed, by_domain, dropped, sources)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +171,7 @@ def _run_build(args: argparse.Namespace) -> int:
             f"--target {args.target} is not a model directory (no "
             "config.json); for SmolLM2 run `sglang-dspark setup-smollm2`."
         )
-    prompts = _prompt_set(args)
+    prompts = _prompt_file(args) if args.prompts else _prompt_set(args)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     if args.backend == "sglang":
         backend = SGLangBackend(args.base_url, concurrency=args.concurrency)
@@ -132,7 +182,9 @@ def _run_build(args: argparse.Namespace) -> int:
                 args.target,
             )
     else:
-        backend = HFBackend(args.target, batch_size=args.batch_size, dtype=args.dtype)
+        backend = HFBackend(
+            args.target, batch_size=args.batch_size, dtype=args.dtype, device=args.device
+        )
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     settings = {"target": Path(args.target).name, "seed": args.seed, "sources": prompts.sources}
     summary = generate_dataset(
@@ -144,7 +196,10 @@ def _run_build(args: argparse.Namespace) -> int:
         settings=settings,
         max_prompt_tokens=args.max_prompt_tokens,
         progress=not args.no_progress,
-        extra_summary={"per_domain": args.per_domain, "dropped_eval_overlap": prompts.dropped},
+        extra_summary={
+            "per_domain": None if args.prompts else args.per_domain,
+            "dropped_eval_overlap": prompts.dropped,
+        },
     )
     print(json.dumps({k: summary[k] for k in ("domains", "total", "last_run")}, indent=2))
     return 0

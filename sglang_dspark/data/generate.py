@@ -122,16 +122,20 @@ class HFBackend:
         dtype: str = "auto",
         model=None,
         tokenizer=None,
+        device: str = "auto",
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ..drafter.train import resolve_device
 
         self.model = str(target_dir)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
         if model is None:
             torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
             model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype)
-        self.lm = model.eval()
+        self.device = resolve_device(device)
+        self.lm = model.eval().to(self.device)
         self.in_flight = batch_size
         self.stop_ids = stop_token_ids(self.tokenizer, target_dir)
         pad = self.tokenizer.pad_token_id
@@ -159,8 +163,8 @@ class HFBackend:
                 }
             with torch.no_grad():
                 out = self.lm.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
                     max_new_tokens=sampling.max_new_tokens,
                     eos_token_id=sorted(self.stop_ids),
                     pad_token_id=self.pad_id,

@@ -85,6 +85,6 @@ class FeatureStore:
         self.misses += 1
         feats = compute(input_ids)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({k: v.contiguous() for k, v in feats.tensors().items()}, str(tmp))
+        save_file({k: v.contiguous().cpu() for k, v in feats.tensors().items()}, str(tmp))
         os.replace(tmp, path)
         return feats

@@ -123,7 +123,11 @@ class TrainConfig:
     # vocabulary as one bucket, instead of the target's full logits every step (loss.py).
     # 0 = full logits. A step then runs no target LM head and no target softmax.
     target_topk: int = 0
-    precision: str = "auto"  # auto (bf16 autocast where the CPU has bf16), bf16, fp32
+    precision: str = "auto"  # auto (bf16 autocast where the device has bf16), bf16, fp32
+    # Where the target and the drafter run: auto (the local CUDA device when torch sees one,
+    # cuda:LOCAL_RANK under torchrun; else cpu), cpu, cuda or cuda:N. Data order, anchors and
+    # initial weights are drawn on the CPU whatever the device.
+    device: str = "auto"
     target_dtype: str = "float32"
     # Keep each sequence's target features (context + final hidden, in target_dtype) in
     # memory after its first use, so epochs after the first skip the target's forward.
@@ -139,6 +143,10 @@ class TrainConfig:
     # End this invocation after N steps WITHOUT a final checkpoint, as an interruption would
     # (steps since the last checkpoint are redone on resume). For tests and time-boxed runs.
     stop_after: int | None = None
+    # Wall-clock box: after the first step that ends past this many seconds, save a checkpoint
+    # and export the drafter as it stands (a rerun with the same --out-dir resumes). The
+    # schedule is still the one for `steps`, so a boxed drafter has not annealed.
+    time_limit_s: float | None = None
     export_dtype: str = "bfloat16"
     progress: bool = True
 
@@ -197,37 +205,88 @@ def warmup_cosine(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
 
 
 # ---------------------------------------------------------------------------- trainer
+def resolve_device(name: str) -> torch.device:
+    """``TrainConfig.device`` as a torch device: auto = the local CUDA device when torch sees
+    one (``LOCAL_RANK`` under torchrun), else the CPU; a bare ``cuda`` also means the local
+    one. Refuses what this torch cannot run, with the fix."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise DraftConfigError(f"device {name!r} is not a device ({e}); use auto, cpu, cuda or "
+                               "cuda:N") from e  # fmt: skip
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise DraftConfigError(f"device {name!r}: the trainer runs on cpu or cuda; use auto, "
+                               "cpu, cuda or cuda:N")  # fmt: skip
+    if not torch.cuda.is_available():
+        raise DraftConfigError(
+            f"device {name!r}: torch {torch.__version__} sees no CUDA device here; use "
+            "--device cpu (or auto, which picks the CPU when there is no GPU)"
+        )
+    index = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+    if index >= torch.cuda.device_count():
+        raise DraftConfigError(f"device cuda:{index}: this machine has "
+                               f"{torch.cuda.device_count()} CUDA devices")  # fmt: skip
+    return torch.device("cuda", index)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Every tensor of ``obj`` (a tensor, a dataclass of them, nested) on ``device``; other
+    fields unchanged. A no-op for tensors already there (the CPU path copies nothing)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        moved = {f.name: to_device(getattr(obj, f.name), device)
+                 for f in dataclasses.fields(obj) if f.init}  # fmt: skip
+        return dataclasses.replace(obj, **moved)
+    return obj
+
+
 @dataclass
 class _Dist:
     rank: int = 0
     world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over ranks in place (through the process group's device: NCCL reduces
+        CUDA tensors only)."""
         if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            buf = t.to(self.device)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            if buf is not t:
+                t.copy_(buf)
         return t
 
 
-def _init_distributed() -> _Dist:
+def _init_distributed(device: torch.device | None = None) -> _Dist:
+    device = device or torch.device("cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return _Dist()
+        return _Dist(device=device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="gloo")
-    return _Dist(rank=dist.get_rank(), world=dist.get_world_size())
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return _Dist(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
 
 
-def _use_bf16(precision: str) -> bool:
+def _use_bf16(precision: str, device: torch.device | None = None) -> bool:
     if precision == "fp32":
         return False
     if precision == "bf16":
         return True
     if precision != "auto":
         raise DraftConfigError(f"precision {precision!r} is not one of auto, bf16, fp32")
+    if device is not None and device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except Exception:  # noqa: BLE001 - any failure means "no fast bf16"
@@ -306,9 +365,11 @@ class Trainer:
         if problems:
             raise DraftConfigError("cannot train this drafter:\n  - " + "\n  - ".join(problems))
         self._check_loss_options()
+        self.device = resolve_device(cfg.device)
         self.target = TargetAdapter.from_pretrained(
             cfg.target, self._target_layer_ids(), dtype=getattr(torch, cfg.target_dtype)
         )
+        self.target.model.to(self.device)
         self.drafter = self._build_drafter()
         self.drafter.attach_shared(self.target.embed_weight, self.target.lm_head_weight)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -328,7 +389,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(self.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
         )
-        self.bf16 = _use_bf16(cfg.precision)
+        self.bf16 = _use_bf16(cfg.precision, self.device)
         self.lm_head_budget = cfg.global_batch_size * cfg.num_anchors * cfg.block_size
         self._gram = LogitGram(self.target.lm_head_weight) if cfg.mse_weight else None
         self._features: dict[int, TargetFeatures] = {}
@@ -393,10 +454,11 @@ class Trainer:
                 copy_target_layers(drafter, self.target.layers, self.cfg.init_layers_from_target)
         if self.cfg.dflash:
             disable_markov_bias(drafter)
+        drafter = drafter.float().to(self.device)
         if self.dist.world > 1:  # identical start on every rank
             for p in drafter.parameters():
                 dist.broadcast(p.data, src=0)
-        return drafter.float().train()
+        return drafter.train()
 
     def _resume(self) -> None:
         state = load_training_checkpoint(self.ckpt_path)
@@ -539,8 +601,8 @@ class Trainer:
         cached = self._features.get(seq.index)
         if cached is not None:
             return cached
-        if self._store is not None:
-            feats = self._store.get(seq.input_ids, self._compute_features)
+        if self._store is not None:  # a stored sequence comes back on the CPU
+            feats = to_device(self._store.get(seq.input_ids, self._compute_features), self.device)
         else:
             feats = self._compute_features(seq.input_ids)
         size = feats.nbytes()
@@ -551,7 +613,7 @@ class Trainer:
         return feats
 
     def _compute_features(self, input_ids: torch.Tensor) -> TargetFeatures:
-        feats = self.target.features(input_ids)
+        feats = self.target.features(input_ids.to(self.device))
         if self.cfg.target_topk:
             with torch.no_grad():
                 top = TargetTopK.from_logits(
@@ -563,9 +625,9 @@ class Trainer:
     def train_step(self) -> StepStats:
         cfg = self.cfg
         plan = self._plan(self.step)
-        totals_w = self.dist.all_reduce_(self._weight_totals(plan))
+        totals_w = self.dist.all_reduce_(self._weight_totals(plan)).to(self.device)
         weight_total, mse_weight_total = totals_w[0], totals_w[1]
-        totals = LossSums.zeros()
+        totals = LossSums.zeros(self.device)
         tokens = 0
         for i in range(0, len(plan), cfg.micro_batch_size):
             items = plan[i : i + cfg.micro_batch_size]
@@ -573,6 +635,7 @@ class Trainer:
             mb = self._micro_batch(items)
             if mb is None:
                 continue
+            mb = to_device(mb, self.device)
             sums = self._micro_batch_loss(mb)
             loss = combine(sums, cfg.loss_weights, weight_total, mse_weight_total)
             loss.backward()
@@ -587,7 +650,9 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        counts = torch.tensor([float(tokens), float(self._lm_head_positions(plan))])
+        counts = torch.tensor(
+            [float(tokens), float(self._lm_head_positions(plan))], device=self.device
+        )
         stats = self.dist.all_reduce_(torch.cat([totals.as_tensor(), counts]))
         ce, tv, conf, weight, accept, count, mse, mse_weight, tok, lm_rows = stats.tolist()
         denom = max(weight, 1e-6)
@@ -611,11 +676,11 @@ class Trainer:
     def _micro_batch_loss(self, mb: _MicroBatch) -> LossSums:
         cfg = self.cfg
         full = mb.is_full
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.drafter(mb.context, mb.layout)
-        sums = LossSums.zeros()
+        sums = LossSums.zeros(self.device)
         if mb.target_logits is not None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 draft_logits = self.drafter.draft_logits(hidden[full], mb.prev_tokens[full])
                 conf_logits = self.drafter.confidence_logits(hidden[full], mb.prev_tokens[full])
             sums = loss_sums(
@@ -632,7 +697,7 @@ class Trainer:
             mse = self._gram.mse(
                 hidden.float() - mb.target_hidden.float(), codes, head.markov_w2.weight
             )
-            wv = position_weights(mse.shape[1], cfg.decay) * mb.valid.float()
+            wv = position_weights(mse.shape[1], cfg.decay, mse.device) * mb.valid.float()
             sums.mse = (mse * wv).sum()
             sums.mse_weight = wv.sum()
         return sums
@@ -656,11 +721,14 @@ class Trainer:
             )  # fmt: skip
         metrics = (self.out_dir / "metrics.jsonl").open("a") if self.dist.main else None
         t0, tokens = time.perf_counter(), 0
+        boxed = False
         try:
-            while self.step < end:
+            while self.step < end and not boxed:
                 stats = self.train_step()
                 tokens += stats.tokens
-                tok_s = tokens / max(time.perf_counter() - t0, 1e-9)
+                elapsed = time.perf_counter() - t0
+                tok_s = tokens / max(elapsed, 1e-9)
+                boxed = self._time_box_reached(elapsed)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(
@@ -668,20 +736,41 @@ class Trainer:
                     )
                 if metrics is not None:
                     rec = {"step": self.step, **dataclasses.asdict(stats), "tok_s": tok_s,
-                           "lm_head_budget": self.lm_head_budget}  # fmt: skip
+                           "elapsed_s": elapsed, "lm_head_budget": self.lm_head_budget}  # fmt: skip
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
-                if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
+                if (
+                    self.step % cfg.checkpoint_every == 0
+                    or self.step == self.total_steps
+                    or boxed
+                ):
                     self.save_checkpoint()
         finally:
             if bar is not None:
                 bar.close()
             if metrics is not None:
                 metrics.close()
+        if boxed and self.step < self.total_steps:
+            if self.dist.main:
+                logger.warning(
+                    "time limit %.0f s reached at step %d of %d: checkpoint saved, the drafter "
+                    "exported as it stands (rerun with the same --out-dir to continue)",
+                    cfg.time_limit_s, self.step, self.total_steps,
+                )  # fmt: skip
+            return self.export()
         if self.step >= self.total_steps:
             return self.export()
         # stop_after: like an interruption, steps since the last checkpoint are not saved.
         return self.ckpt_path
+
+    def _time_box_reached(self, elapsed: float) -> bool:
+        """Every rank stops at the same step (rank 0's clock decides)."""
+        if self.cfg.time_limit_s is None:
+            return False
+        flag = torch.tensor([float(elapsed >= self.cfg.time_limit_s)], device=self.dist.device)
+        if self.dist.world > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def export(self) -> Path:
         out = self.out_dir / "draft"
@@ -779,7 +868,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
-    d = _init_distributed()
+    d = _init_distributed(resolve_device(cfg.device))
     try:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         out = build_trainer(cfg, dist_ctx=d).train()

@@ -111,7 +111,7 @@ class MtpTrainer(Trainer):
     def _compute_features(self, input_ids: torch.Tensor) -> TargetFeatures:
         """The target's final normed hidden state only (what SGLang hands an EAGLE draft
         with use_aux_hidden_state false); context is empty [S, 0]."""
-        out = self.target.base(input_ids=input_ids[None], use_cache=False)
+        out = self.target.base(input_ids=input_ids[None].to(self.device), use_cache=False)
         final = out.last_hidden_state[0]
         return TargetFeatures(final.new_zeros(final.shape[0], 0), final)
 
@@ -175,10 +175,10 @@ class MtpTrainer(Trainer):
         )
 
     def _micro_batch_loss(self, mb: _MtpMicroBatch) -> LossSums:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = self.drafter(mb.hidden, mb.next_tokens, mb.positions, mb.seq_lens)
             draft_logits = self.drafter.logits(out[mb.rows])
-        one = torch.ones(mb.labels.shape[0], 1, dtype=torch.bool)
+        one = torch.ones(mb.labels.shape[0], 1, dtype=torch.bool, device=mb.labels.device)
         return loss_sums(
             draft_logits[:, None], mb.target_logits[:, None], mb.labels[:, None], one, None,
             decay=0.0,

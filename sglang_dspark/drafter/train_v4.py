@@ -125,10 +125,11 @@ class V4Trainer(Trainer):
                 copy_target_layers(drafter, self.target.layers, cfg.init_layers_from_target)
         if cfg.dflash:
             disable_markov_bias(drafter)
+        drafter = drafter.float().to(self.device)
         if self.dist.world > 1:  # identical start on every rank
             for t in drafter.state_dict().values():
                 dist.broadcast(t, src=0)
-        return drafter.float().train()
+        return drafter.train()
 
     # -------------------------------------------------------------- export
     def export(self) -> Path:
