@@ -39,6 +39,39 @@ ARMS: dict[str, list[str]] = {
 }
 
 
+def training_table(root: Path, arms: list[str]) -> str:
+    """Per arm, from its metrics.jsonl: steps, seconds per step (the arms that read the shared
+    feature store; the first arm also ran the target), LM-head positions, the acceptance proxy
+    and loss over the last 20 steps. Seconds are wall-clock on whatever shared the machine."""
+    import json
+
+    lines = ["| arm | steps | s/step | LM-head positions | accept proxy (last 20) | loss (last 20) |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for arm in arms:
+        path = root / arm / "metrics.jsonl"
+        rows = [json.loads(x) for x in path.open() if x.strip()] if path.is_file() else []
+        if not rows:
+            lines.append(f"| {arm} | - | - | - | - | - |")
+            continue
+        last = rows[-20:]
+        timed = [r for r in rows if "elapsed_s" in r]
+        per_step = "-"
+        if len(timed) > 5:  # elapsed_s restarts at a resume: the longest unbroken tail
+            tail = [timed[-1]]
+            for r in reversed(timed[:-1]):
+                if r["elapsed_s"] >= tail[-1]["elapsed_s"]:
+                    break
+                tail.append(r)
+            if len(tail) > 5:
+                per_step = f"{(tail[0]['elapsed_s'] - tail[-1]['elapsed_s']) / (len(tail) - 1):.2f}"
+        accept = sum(r["accept"] for r in last) / len(last)
+        loss = sum(r["loss"] for r in last) / len(last)
+        lines.append(f"| {arm} | {rows[-1]['step']} | {per_step} | "
+                     f"{sum(r['lm_head_positions'] for r in rows):,} | {accept:.3f} | "
+                     f"{loss:.3f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def run(cmd: list[str], env_threads: int) -> None:
     import os
 
@@ -79,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
              "--out-dir", str(out), "--steps", str(args.steps), "--seed", str(args.seed),
              "--checkpoint-every", "25", "--feature-store", str(store), "--no-progress",
              *ARMS[arm]], args.threads)  # fmt: skip
+    table = training_table(args.out, arms)
+    (args.out / "training.md").write_text(table)
+    print(table, flush=True)
     drafts = [x for a in arms for x in ("--draft", f"{a}={args.out / a / 'draft'}")]
     run([*cli, "compare", "--target", str(target), *drafts, "--out", str(args.out / "compare"),
          "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),

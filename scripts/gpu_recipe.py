@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="here: the bundle to carry (prompts, GGUF parts, wheels)")
     p.add_argument("--out", default=str(REPO / ".gpu-bundle"))
-    p.add_argument("--per-domain", type=int, default=1000, help="training prompts per domain")
+    p.add_argument("--per-domain", type=int, default=500, help="training prompts per domain")
     p.add_argument("--prompt-seqs-per-domain", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wheel", action="append", help="a wheel file to carry (repeatable)")
