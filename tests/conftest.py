@@ -43,6 +43,24 @@ def broken_sampler(server, mode: str):
         server.break_switch.write_text("")
 
 
+def verify_every_draft(server) -> None:
+    """`server` (DSPARK, a `compact` scheduler mode) verifies every draft from now on: upstream's
+    runtime control `dspark_force_budget_frac` = 1 (the one its SPS profiler uses). For tests
+    of the sampler, so that what they check does not hang on how this machine's start-up SPS
+    profile trims a random draft's windows (on one CI machine it trimmed every window to none).
+    It holds until the server stops: upstream's request schema takes numbers only and refuses
+    the null that would hand the budget back to the scheduler (HTTP 400), so call it in the
+    tests that run last on their server."""
+    body = {"server_args": {"dspark_force_budget_frac": 1.0}}
+    r = requests.post(server.base_url + "/set_internal_state", json=body, timeout=60)
+    r.raise_for_status()
+    # one answer per data-parallel rank: a bool, or a dict with `updated` (upstream's profiler
+    # reads it the same way, `sglang.benchmark.dspark_sps_profiler.set_forced_budget_frac`)
+    outs = r.json() if isinstance(r.json(), list) else [r.json()]
+    ok = [o.get("updated") if isinstance(o, dict) else o for o in outs]
+    assert ok and all(ok), f"forced budget refused: {r.json()}"
+
+
 @dataclass
 class Sampled:
     """Continuations per prompt, with the server's draft counts summed over them."""
@@ -140,4 +158,6 @@ def pytest_runtest_logreport(report):
     path = os.environ.get("DSPARK_TEST_TIMINGS")
     if path:
         with open(path, "a") as f:
-            f.write(f"{report.duration:9.1f} {report.when:8s} {report.outcome:7s} {report.nodeid}\n")
+            f.write(
+                f"{report.duration:9.1f} {report.when:8s} {report.outcome:7s} {report.nodeid}\n"
+            )
