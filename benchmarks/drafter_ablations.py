@@ -11,6 +11,15 @@ finished (`RUNS/<arm>/draft/config.json`) are not retrained; an interrupted arm 
 its last checkpoint. Then `sglang-dspark compare` runs every arm on the same prompts and seeds
 (tau at temperature 1 and 0, the ratio to the first arm with a paired bootstrap interval) and
 writes `RUNS/compare/comparison.{md,json,png}`.
+
+    python benchmarks/drafter_ablations.py --data DATA --out RUNS --step-cost 20 \
+        --arms base,topk64 --repeats 2
+
+`--step-cost N` prices a step instead: each arm trains N steps from the feature store that the
+ablation filled (so no arm pays the target's forward), the arms interleaved `--repeats` times
+so that the load of a shared machine falls on each alike; prints and writes
+`RUNS/step-cost.md`: seconds per step after `WARMUP_STEPS`, per repeat and their mean, and the
+ratio to the first arm.
 """
 
 from __future__ import annotations
@@ -72,6 +81,37 @@ def training_table(root: Path, arms: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+WARMUP_STEPS = 3  # first steps of a short run: allocator and thread-pool warm-up
+
+
+def step_seconds(metrics: Path, warmup: int = WARMUP_STEPS) -> float:
+    """Mean seconds per step of one run after its first `warmup` steps (from `elapsed_s`)."""
+    import json
+
+    rows = [json.loads(x) for x in metrics.open() if x.strip()]
+    timed = [r for r in rows if "elapsed_s" in r][warmup:]
+    if len(timed) < 2:
+        raise SystemExit(f"{metrics}: fewer than {warmup + 2} timed steps; raise --step-cost")
+    return (timed[-1]["elapsed_s"] - timed[0]["elapsed_s"]) / (timed[-1]["step"] - timed[0]["step"])
+
+
+def step_cost_table(root: Path, arms: list[str], repeats: int) -> str:
+    """Per arm: s/step of each interleaved repeat (`root/<arm>-<k>/metrics.jsonl`), their mean,
+    and the mean's ratio to the first arm's."""
+    means = {}
+    cells = {}
+    for arm in arms:
+        per = [step_seconds(root / f"{arm}-{k}" / "metrics.jsonl") for k in range(repeats)]
+        cells[arm] = " / ".join(f"{x:.2f}" for x in per)
+        means[arm] = sum(per) / len(per)
+    lines = [f"| arm | s/step per repeat (after {WARMUP_STEPS} warm-up steps) | mean | / {arms[0]} |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for arm in arms:
+        lines.append(f"| {arm} | {cells[arm]} | {means[arm]:.2f} | "
+                     f"{means[arm] / means[arms[0]]:.3f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def run(cmd: list[str], env_threads: int) -> None:
     import os
 
@@ -84,14 +124,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="training data (JSONL file or directory)")
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--arms", default="base,layers2,tinit,rank256",
-                        help=f"comma-separated, first = reference; known: {', '.join(ARMS)}")
+    parser.add_argument(
+        "--arms",
+        default="base,layers2,tinit,rank256",
+        help=f"comma-separated, first = reference; known: {', '.join(ARMS)}",
+    )
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=20, help="prompts per benchmark")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperatures", default="1,0")
+    parser.add_argument(
+        "--step-cost",
+        type=int,
+        default=0,
+        metavar="N",
+        help="price a step instead: N steps per arm from the filled feature store",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per arm")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
@@ -103,6 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     target = ensure_smollm2()
     cli = [sys.executable, "-m", "sglang_dspark.cli"]
     store = args.out / "features"
+    if args.step_cost:
+        import shutil
+
+        if not store.is_dir():
+            parser.error(f"{store}: no feature store; run the ablation first (it fills one)")
+        root = args.out / "step-cost"
+        for k in range(args.repeats):
+            for arm in arms:
+                out = root / f"{arm}-{k}"
+                shutil.rmtree(out, ignore_errors=True)
+                run([*cli, "train", "--config", str(CONFIG), "--data", args.data,
+                     "--target", str(target), "--out-dir", str(out),
+                     "--steps", str(args.step_cost), "--seed", str(args.seed),
+                     "--checkpoint-every", str(args.step_cost), "--feature-store", str(store),
+                     "--no-progress", *ARMS[arm]], args.threads)  # fmt: skip
+        table = step_cost_table(root, arms, args.repeats)
+        (args.out / "step-cost.md").write_text(table)
+        print(table, flush=True)
+        return 0
     for arm in arms:
         out = args.out / arm
         if (out / "draft" / "config.json").is_file():
