@@ -15,8 +15,8 @@
 #   decay7    decay 7 = gamma (the paper's text)
 #   anchors24 24 anchors per sequence, 16 sequences per step (same positions per step)
 # Then `sglang-dspark compare` on the packaged eval prompts at T=1 (same prompts and per-prompt
-# seeds; the shipped drafter beside the arms). Fine-tuning the shipped drafter rather than
-# training from scratch keeps the arms where later draft positions are reached at all.
+# seeds; the shipped DSpark and MTP-1 drafters beside the arms). Fine-tuning the shipped drafter
+# rather than training from scratch keeps the arms where later draft positions are reached.
 # Resumable: rerun the same command (finished data and runs are kept).
 set -euxo pipefail
 OUT=${1:?usage: scripts/finetune_ablations.sh OUT_DIR}
@@ -40,7 +40,7 @@ ARMS=(
   "decay7|train-t0|--decay 7"
   "anchors24|train-t0|--num-anchors 24 --global-batch-size 16"
 )
-DRAFTS=(--draft shipped="$ASSETS/smollm2-dspark")
+DRAFTS=(--draft shipped="$ASSETS/smollm2-dspark" --draft mtp1="$ASSETS/smollm2-mtp1")
 for arm in "${ARMS[@]}"; do
   IFS='|' read -r name data change <<<"$arm"
   DRAFTS+=(--draft "$name=$OUT/run-$name/draft")

@@ -20,7 +20,7 @@ import json
 import shutil
 from pathlib import Path
 
-from sglang_dspark.data.eval_guard import EvalGuard
+from sglang_dspark.data.eval_guard import EvalGuard, prompt_text
 from sglang_dspark.data.prompts import build_prompts
 from sglang_dspark.evaluation.benchmarks import PACKAGED_EVAL_DIR
 
@@ -29,10 +29,6 @@ DOMAINS = ("code", "chat", "math")
 
 def _source(prompt: dict) -> str:
     return prompt["id"].rsplit("/", 1)[0]
-
-
-def _text(prompt: dict) -> str:
-    return prompt["messages"][0]["content"]
 
 
 def main() -> None:
@@ -44,17 +40,19 @@ def main() -> None:
     seen = build_prompts(400, 0, DOMAINS, guard).by_domain
     writing = build_prompts(640, 0, ("writing",), guard).by_domain["writing"]
     trained = [p for ps in seen.values() for p in ps] + writing
-    sources, texts = {_source(p) for p in trained}, {_text(p) for p in trained}
+    sources, texts = {_source(p) for p in trained}, {prompt_text(p) for p in trained}
     candidates = build_prompts(200, 5, DOMAINS, guard).by_domain
     args.out.mkdir(parents=True, exist_ok=True)
     for domain in DOMAINS:
         unseen = [
-            p for p in candidates[domain] if _source(p) not in sources and _text(p) not in texts
+            p
+            for p in candidates[domain]
+            if _source(p) not in sources and prompt_text(p) not in texts
         ]
         for name, prompts in (("seen", seen[domain]), ("unseen", unseen)):
             with open(args.out / f"{name}-{domain}.jsonl", "w") as fh:
                 fh.writelines(
-                    json.dumps({"turns": [_text(p)], "id": p["id"]}) + "\n"
+                    json.dumps({"turns": [prompt_text(p)], "id": p["id"]}) + "\n"
                     for p in prompts[: args.per_domain]
                 )
     for path in PACKAGED_EVAL_DIR.glob("*.jsonl"):
