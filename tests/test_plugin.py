@@ -33,6 +33,7 @@ UPSTREAM_FAILURE = {
     "cpu_bf16_draft_kernels": "table_qk_norm_rope_ (Triton)",
     "cpu_rejection_sampler": "0 active drivers",
     "cpu_greedy_markov_step": "Philox noise drawn for an all-greedy step",
+    "cpu_sampled_markov_step": "Philox noise drawn in torch for a sampled CPU step",
     "dspark_scheduler_mode": "only supports CUDA, NPU or XPU",  # never reaches a check
     "dspark_sync_scheduler": "budget 8, Algorithm 1 on the current confidences: 1",
     "dspark_sps_startup": "is not the profiled one (flat: scheduling off)",

@@ -78,7 +78,7 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend": (
         "(self, q, k, v, layer, forward_batch, save_kv_cache=True)"
     ),
-    # cpu_greedy_markov_step
+    # cpu_greedy_markov_step, cpu_sampled_markov_step
     "sglang.kernels.ops.speculative.dspark.markov_sample.MarkovSampleStep.torch": (
         "(cls, *, base_logits, bias, temperatures, key, offset, step, step_dtype, vocab_start=0, "
         "gather=None, gather_logits=None, logits_out=None, has_sampled_rows=None)"

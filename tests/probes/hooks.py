@@ -313,6 +313,31 @@ def cpu_greedy_markov_step():
 
 
 @probe
+def cpu_sampled_markov_step():
+    from sglang.kernels.ops.speculative.dspark import markov_sample
+
+    def no_noise(*args, **kwargs):
+        raise AssertionError("Philox noise drawn in torch for a sampled CPU step")
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 40, generator=gen)
+    bias = torch.randn(3, 40, generator=gen)
+    kept = torch.empty(3, 40)
+    original, markov_sample._philox = markov_sample._philox, no_noise
+    try:
+        tokens = markov_sample.MarkovSampleStep.torch(
+            base_logits=base, bias=bias, temperatures=torch.tensor([0.0, 1.0, 0.0]), key=7,
+            offset=torch.zeros(1, dtype=torch.int64), step=0, step_dtype=torch.float32,
+            logits_out=kept, has_sampled_rows=None,
+        )  # fmt: skip
+    finally:
+        markov_sample._philox = original
+    assert torch.equal(kept, base + bias)  # the proposal the verifier reads
+    greedy = (base + bias).argmax(-1)
+    assert tokens[0] == greedy[0] and tokens[2] == greedy[2] and 0 <= tokens[1] < 40, tokens
+
+
+@probe
 def dspark_scheduler_mode():
     os.environ["SGLANG_DSPARK_SCHEDULER"] = "sync"
     os.environ.pop("SGLANG_RAGGED_VERIFY_MODE", None)
