@@ -284,56 +284,48 @@ def cpu_rejection_sampler():
     assert (accept_num >= 0).all() and (accept_index[:, 0] == torch.tensor([0, n])).all()
 
 
-@probe
-def cpu_greedy_markov_step():
+def _markov_step(temperatures: list[float], noise_refusal: str | None):
+    """SGLang's CPU Markov sampling step on seeded [3, 40] logits; with `noise_refusal`, its
+    torch Philox raises that message if called. Returns (tokens, base + bias, kept logits)."""
     from sglang.kernels.ops.speculative.dspark import markov_sample
 
     def no_noise(*args, **kwargs):
-        raise AssertionError("Philox noise drawn for an all-greedy step")
+        raise AssertionError(noise_refusal)
 
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(3, 40, generator=gen)
     bias = torch.randn(3, 40, generator=gen)
     kept = torch.empty(3, 40)
-    common = {
-        "base_logits": base, "bias": bias, "key": 7, "offset": torch.zeros(1, dtype=torch.int64),
-        "step": 0, "step_dtype": torch.float32, "logits_out": kept, "has_sampled_rows": None,
-    }  # fmt: skip
-    sampled = markov_sample.MarkovSampleStep.torch(  # a sampled row: noise is still drawn
-        temperatures=torch.tensor([0.0, 1.0, 0.0]), **common
-    )
-    assert sampled.shape == (3,)
-    original, markov_sample._philox = markov_sample._philox, no_noise
-    try:
-        tokens = markov_sample.MarkovSampleStep.torch(temperatures=torch.zeros(3), **common)
-    finally:
-        markov_sample._philox = original
-    assert torch.equal(tokens, (base + bias).argmax(-1)), tokens
-    assert torch.equal(kept, base + bias)
-
-
-@probe
-def cpu_sampled_markov_step():
-    from sglang.kernels.ops.speculative.dspark import markov_sample
-
-    def no_noise(*args, **kwargs):
-        raise AssertionError("Philox noise drawn in torch for a sampled CPU step")
-
-    gen = torch.Generator().manual_seed(0)
-    base = torch.randn(3, 40, generator=gen)
-    bias = torch.randn(3, 40, generator=gen)
-    kept = torch.empty(3, 40)
-    original, markov_sample._philox = markov_sample._philox, no_noise
+    original = markov_sample._philox
+    if noise_refusal:
+        markov_sample._philox = no_noise
     try:
         tokens = markov_sample.MarkovSampleStep.torch(
-            base_logits=base, bias=bias, temperatures=torch.tensor([0.0, 1.0, 0.0]), key=7,
+            base_logits=base, bias=bias, temperatures=torch.tensor(temperatures), key=7,
             offset=torch.zeros(1, dtype=torch.int64), step=0, step_dtype=torch.float32,
             logits_out=kept, has_sampled_rows=None,
         )  # fmt: skip
     finally:
         markov_sample._philox = original
-    assert torch.equal(kept, base + bias)  # the proposal the verifier reads
-    greedy = (base + bias).argmax(-1)
+    return tokens, base + bias, kept
+
+
+@probe
+def cpu_greedy_markov_step():
+    sampled, _, _ = _markov_step([0.0, 1.0, 0.0], None)  # a sampled row still runs
+    assert sampled.shape == (3,)
+    tokens, logits, kept = _markov_step([0.0] * 3, "Philox noise drawn for an all-greedy step")
+    assert torch.equal(tokens, logits.argmax(-1)), tokens
+    assert torch.equal(kept, logits)
+
+
+@probe
+def cpu_sampled_markov_step():
+    tokens, logits, kept = _markov_step(
+        [0.0, 1.0, 0.0], "Philox noise drawn in torch for a sampled CPU step"
+    )
+    assert torch.equal(kept, logits)  # the proposal the verifier reads
+    greedy = logits.argmax(-1)
     assert tokens[0] == greedy[0] and tokens[2] == greedy[2] and 0 <= tokens[1] < 40, tokens
 
 
