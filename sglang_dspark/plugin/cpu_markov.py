@@ -5,7 +5,7 @@ samples a row as the argmax of its step logits over the temperature plus Gumbel 
 noise from a Philox4x32-10 keyed like the Triton kernel's (`tl.philox`), written out in torch:
 ten rounds of 64-bit multiplies, shifts and xors over a quarter of the vocabulary per row.
 That is what the Triton kernel does in registers; in torch on CPU it is about 40 elementwise
-passes per round and dominates the draft pass (2.9 ms per row and step against 0.3 ms for the
+passes per round and dominates the draft pass (2.7 ms per row and step against 0.3 ms for the
 rest of the step, 49152 words; a DSPARK block has seven steps).
 
 Two hooks, both on CPU tensors only (a CUDA tensor, or a vocabulary sharded over ranks, leaves
@@ -49,15 +49,9 @@ def _greedy_rows(original, cls, **kwargs):
 
 
 def stream_seed(key: int, offset: int, step: int) -> int:
-    """A 64-bit seed for torch's CPU generator from the draft noise's Philox coordinates
-    (splitmix64 finaliser over the three, so neighbouring offsets and steps get unrelated
-    streams)."""
-    z = (
-        key * 0x9E3779B97F4A7C15 + offset * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
-    ) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    """A seed for torch's CPU generator from the draft noise's Philox coordinates (Python's
+    tuple hash of ints: the same in every process, unrelated for neighbouring offsets)."""
+    return hash((key, offset, step)) & _MASK64
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
