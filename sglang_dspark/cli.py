@@ -123,6 +123,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
          "offline evaluator: tau, position-wise acceptance, threshold sweep"),
         ("compare", "sglang_dspark.evaluation.compare", "add_arguments", "run",
          "paired comparison of drafters on the same prompts and seeds: tau table, CIs"),
+        ("curves", "sglang_dspark.evaluation.curves", "add_arguments", "run",
+         "held-out learning curves of training runs (their eval.jsonl): plot and table"),
         ("audit", "sglang_dspark.audit", "add_arguments", "run",
          "check that a running DSPARK server is lossless (exit code 0 / 1)"),
         ("calibrate", "sglang_dspark.calibration.cli", "add_arguments", "run",

@@ -528,3 +528,76 @@ def test_time_limit_exports_at_a_step_boundary_and_resumes(setup):
     straight = Trainer(_cfg(root, target, "unboxed", steps=6)).train()
     a, b = _weights(root / "boxed"), load_file(str(straight / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_grown_drafter_computes_the_loaded_function_then_trains_its_new_layer(setup):
+    """grow_layers appends copies of the last layer with zeroed output projections: the
+    grown drafter's logits equal the loaded drafter's exactly; training then moves them."""
+    from sglang_dspark.drafter.checkpoint import init_random_draft, load_draft
+    from sglang_dspark.drafter.config import DraftConfigError
+
+    root, target = setup
+    start = init_random_draft(target, root / "grow-start", block_size=4, markov_rank=8, seed=3)
+    trainer = Trainer(_cfg(root, target, "grown", init_draft=str(start), grow_layers=2, steps=3))
+    assert trainer.draft_config.num_hidden_layers == 3 and len(trainer.drafter.layers) == 3
+    loaded = load_draft(start).float()
+    loaded.attach_shared(trainer.target.embed_weight, trainer.target.lm_head_weight)
+    mb = trainer._micro_batch(trainer._plan(0)[:2])
+    with torch.no_grad():
+        want = loaded.draft_logits(loaded(mb.context, mb.layout), mb.prev_tokens)
+        got = trainer.drafter.draft_logits(trainer.drafter(mb.context, mb.layout), mb.prev_tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    out = trainer.train()
+    grown = load_draft(out)
+    assert grown.config.num_hidden_layers == 3
+    assert grown.layers[2].mlp.down_proj.weight.abs().sum() > 0  # the new layer trained
+    # resume keeps the grown shape (the checkpoint's draft config is the grown one)
+    again = Trainer(_cfg(root, target, "grown", init_draft=str(start), grow_layers=2, steps=4))
+    assert again.step == 3
+    with pytest.raises(DraftConfigError, match="--init-draft"):
+        Trainer(_cfg(root, target, "grow-bad", grow_layers=1))
+
+
+def test_held_out_evaluation_is_logged_and_agrees_with_a_direct_computation(setup, tmp_path):
+    """eval.jsonl: per-position mean of 1 - TV/2 on the held-out blocks at step 0, every
+    eval_every steps and at the end; the step-0 record equals the same quantity computed
+    directly from the untrained drafter; a drafter far from the target scores lower."""
+    from sglang_dspark.drafter.loss import tv_ce
+
+    root, target = setup
+    held = tmp_path / "held.jsonl"
+    lines = (root / "data.jsonl").read_text().splitlines()
+    held.write_text("\n".join(lines[:6]) + "\n")
+    cfg = _cfg(root, target, "evaluated", eval_data=str(held), eval_every=4, steps=8,
+               lr=5e-3)  # fmt: skip
+    trainer = Trainer(cfg)
+    # direct: every fixed held-out block through the untrained drafter
+    acc, cnt = torch.zeros(4), torch.zeros(4)
+    for item in trainer.eval_plan:
+        mb = trainer._micro_batch([item], exact=True)
+        with torch.no_grad():
+            logits = trainer.drafter.draft_logits(
+                trainer.drafter(mb.context, mb.layout), mb.prev_tokens
+            )
+            tv, _ = tv_ce(logits, mb.target_logits, mb.labels)
+        acc += ((1 - tv / 2) * mb.valid).sum(0)
+        cnt += mb.valid.float().sum(0)
+    trainer.train()
+    recs = [json.loads(x) for x in (root / "evaluated" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 4, 8]
+    torch.testing.assert_close(torch.tensor(recs[0]["accept"]), acc / cnt, atol=1e-4, rtol=0)
+    assert recs[0]["positions"] == [int(c) for c in cnt]
+    a = torch.tensor(recs[0]["accept"])
+    assert recs[0]["tau_estimate"] == pytest.approx(1 + float(a.cumprod(0).sum()), abs=1e-4)
+    with torch.no_grad():  # a drafter far from the target scores lower
+        w2 = trainer.drafter.markov_head.markov_w2.weight
+        w2.copy_(torch.randn(w2.shape, generator=torch.Generator().manual_seed(0)) * 5)
+    worse = trainer.evaluate()
+    assert worse["step"] == 8 and sum(worse["accept"]) < sum(recs[-1]["accept"]) - 0.4
+    # an interrupted run drops the lost records on resume and writes each step once
+    cfg2 = dataclasses.replace(cfg, out_dir=str(root / "evaluated2"), stop_after=5)
+    Trainer(cfg2).train()
+    Trainer(dataclasses.replace(cfg2, stop_after=None)).train()
+    recs2 = [json.loads(x) for x in (root / "evaluated2" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs2] == [0, 4, 8]
+    assert recs2[-1]["accept"] == recs[-1]["accept"]

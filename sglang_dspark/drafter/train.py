@@ -65,6 +65,7 @@ from .loss import (
     combine,
     loss_sums,
     position_weights,
+    tv_ce,
 )
 from .model import BlockLayout, DSparkDrafter, init_weights
 from .target import TargetAdapter, TargetFeatures, load_target_config
@@ -97,6 +98,10 @@ class TrainConfig:
     # A new drafter's layer i starts from target decoder layer init_layers_from_target[i]
     # (every tensor whose name and shape agree; the rest keep their random init).
     init_layers_from_target: list[int] | None = None
+    # Append this many decoder layers to the init_draft (DSpark only), each a copy of its last
+    # layer with o_proj and down_proj zeroed: the grown drafter starts as exactly the loaded
+    # one's function (both residual branches add 0) and the new layers learn from there.
+    grow_layers: int = 0
     # Data.
     max_length: int = 2048
     num_anchors: int = 64  # anchors (blocks) per sequence
@@ -136,6 +141,13 @@ class TrainConfig:
     # Directory of target features on disk shared by runs against the same target
     # (feature_store.py): later runs, epochs and ablation arms skip the target's forward.
     feature_store: str | None = None
+    # Held-out evaluation: per draft position, the mean of 1 - TV/2 between the teacher-forced
+    # drafter and the target on these sequences (a JSONL file or directory, like data), at step
+    # 0, every eval_every steps and at the end; written to OUT/eval.jsonl. On sequences sampled
+    # from the target at temperature T, position k's value is the expected acceptance of
+    # draft k at T given that drafts 1..k-1 were accepted.
+    eval_data: str | None = None
+    eval_every: int = 0  # 0: at step 0 and at the end only
     seed: int = 0
     # Bookkeeping.
     checkpoint_every: int = 100
@@ -319,6 +331,9 @@ class StepStats:
 
 
 DRAFTER_KINDS = ("dspark", "mtp", "dspark-v4")
+# Held-out sequences are indexed _EVAL_INDEX, _EVAL_INDEX - 1, ... (their own feature cache);
+# -1 stays "not from a dataset".
+_EVAL_INDEX = -2
 
 
 def build_trainer(cfg: TrainConfig, *, dist_ctx: _Dist | None = None) -> Trainer:
@@ -381,6 +396,8 @@ class Trainer:
                     f"sequence {i} of {cfg.data} has token id {int(s.input_ids.max())} outside "
                     f"the target vocabulary ({vocab}); was it tokenized for another model?"
                 )
+        self.eval_plan = self._eval_plan() if cfg.eval_data else []
+        self._eval_features: dict[int, TargetFeatures] = {}
         self.schedule = StepSchedule(len(self.sequences), cfg.global_batch_size, cfg.seed)
         self.total_steps = cfg.steps or cfg.epochs * self.schedule.steps_per_epoch
         self.optimizer = torch.optim.AdamW(
@@ -413,6 +430,15 @@ class Trainer:
                 f"dense_anchors={cfg.dense_anchors} needs mse_weight > 0: dense blocks are "
                 "supervised by the centred-logit MSE only"
             )
+        if cfg.grow_layers < 0:
+            raise DraftConfigError(f"grow_layers is {cfg.grow_layers}; use 0 (off) or n > 0")
+        if cfg.grow_layers and not cfg.init_draft:
+            raise DraftConfigError(
+                "grow_layers appends layers to a trained drafter: give --init-draft (a new "
+                "drafter takes --num-layers instead)"
+            )
+        if cfg.eval_every < 0:
+            raise DraftConfigError(f"eval_every is {cfg.eval_every}; use 0 or n > 0 steps")
 
     def _draft_problems(self, target_config: dict) -> list[str]:
         return validate_draft_for_target(self.draft_config, target_config)
@@ -424,7 +450,10 @@ class Trainer:
     def _draft_config(self, target_config: dict) -> DSparkDraftConfig:
         cfg = self.cfg
         if cfg.init_draft:
-            return DSparkDraftConfig.load(cfg.init_draft)
+            loaded = DSparkDraftConfig.load(cfg.init_draft)
+            return dataclasses.replace(
+                loaded, num_hidden_layers=loaded.num_hidden_layers + max(cfg.grow_layers, 0)
+            )
         return DSparkDraftConfig.for_target(
             target_config,
             num_layers=cfg.num_layers,
@@ -447,6 +476,8 @@ class Trainer:
     def _build_drafter(self) -> torch.nn.Module:
         if self.cfg.init_draft:
             drafter = self._load_drafter(self.cfg.init_draft)
+            if self.cfg.grow_layers:
+                drafter = grow_drafter(drafter, self.cfg.grow_layers)
         else:
             drafter = self._new_drafter()
             init_weights(drafter, seed=self.cfg.seed)
@@ -473,14 +504,15 @@ class Trainer:
         self.step = int(state["step"])
         if self.dist.main:
             logger.info("resumed from %s at step %d", self.ckpt_path, self.step)
-            metrics = self.out_dir / "metrics.jsonl"
-            if metrics.is_file():  # drop the lost steps; they are about to be redone
-                kept = [
-                    line
-                    for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= self.step
-                ]
-                metrics.write_text("".join(line + "\n" for line in kept))
+            for log in ("metrics.jsonl", "eval.jsonl"):
+                path = self.out_dir / log
+                if path.is_file():  # drop the lost steps; they are about to be redone
+                    kept = [
+                        line
+                        for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line).get("step", 0) <= self.step
+                    ]
+                    path.write_text("".join(line + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
         if self.dist.main:
@@ -532,9 +564,13 @@ class Trainer:
         dense blocks use the Gram-matrix MSE, no LM head)."""
         return sum(bt.anchors.numel() for _, bt, _ in plan) * self.draft_config.block_size
 
-    def _micro_batch(self, items: Sequence[tuple[TokenSequence, BlockTargets, BlockTargets]]):
+    def _micro_batch(
+        self, items: Sequence[tuple[TokenSequence, BlockTargets, BlockTargets]], *,
+        exact: bool = False,
+    ):  # fmt: skip
         """Run the target and pack every block of ``items`` into one drafter layout: each
-        sequence's full-loss blocks, then its dense (MSE-only) blocks."""
+        sequence's full-loss blocks, then its dense (MSE-only) blocks. ``exact``: the
+        target's full logits even when training on its top-k (held-out evaluation)."""
         ctx, finals, ctx_pos, lo, hi, tpos, full_tpos, is_full = [], [], [], [], [], [], [], []
         top_ids, top_logp = [], []
         targets: list[BlockTargets] = []
@@ -579,7 +615,7 @@ class Trainer:
         )
         final = torch.cat(finals)
         target_logits = None
-        if full_tpos and self.cfg.target_topk:
+        if full_tpos and self.cfg.target_topk and not exact:
             rows = torch.cat(full_tpos)
             target_logits = TargetTopK(torch.cat(top_ids)[rows], torch.cat(top_logp)[rows])
         elif full_tpos:
@@ -597,7 +633,15 @@ class Trainer:
         )
 
     def _target_features(self, seq: TokenSequence) -> TargetFeatures:
-        """The target is frozen, so a sequence's features never change: compute them once."""
+        """The target is frozen, so a sequence's features never change: compute them once.
+        Held-out sequences (negative index) keep theirs in a cache of their own."""
+        if seq.index <= _EVAL_INDEX:
+            feats = self._eval_features.get(seq.index)
+            if feats is None:
+                feats = self._compute_features(seq.input_ids)
+                if self.cfg.feature_cache_gb:
+                    self._eval_features[seq.index] = feats.clone()
+            return feats
         cached = self._features.get(seq.index)
         if cached is not None:
             return cached
@@ -702,6 +746,79 @@ class Trainer:
             sums.mse_weight = wv.sum()
         return sums
 
+    # -------------------------------------------------------------- held-out evaluation
+    def _eval_plan(self) -> list[tuple[TokenSequence, BlockTargets, BlockTargets]]:
+        """Fixed blocks of the held-out sequences (this rank's share): num_anchors anchors
+        each, drawn once from the seed, so every evaluation sees the same blocks."""
+        seqs = load_sequences(self.cfg.eval_data, max_length=self.cfg.max_length)
+        gamma = self.draft_config.block_size
+        plan = []
+        for i, seq in enumerate(seqs):
+            if i % self.dist.world != self.dist.rank:
+                continue
+            seq = dataclasses.replace(seq, index=_EVAL_INDEX - i)
+            full, _ = sample_anchor_split(
+                seq.loss_mask, self.cfg.num_anchors, 0, _stable_seed(self.cfg.seed, "eval", i)
+            )
+            empty = full[:0]
+            plan.append((seq, block_targets(seq, full, gamma), block_targets(seq, empty, gamma)))
+        if not any(bt.valid.any() for _, bt, _ in plan) and self.dist.world == 1:
+            raise DraftConfigError(
+                f"eval_data {self.cfg.eval_data} has no response position to evaluate (every "
+                "loss mask is empty or too short)"
+            )
+        return plan
+
+    @torch.no_grad()
+    def _position_accept(self, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per draft position: the sum of 1 - TV/2 (teacher-forced, exact target logits)
+        over this micro-batch's supervised positions, and their number."""
+        full = mb.is_full
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            hidden = self.drafter(mb.context, mb.layout)
+            draft_logits = self.drafter.draft_logits(hidden[full], mb.prev_tokens[full])
+        tv, _ = tv_ce(draft_logits, mb.target_logits, mb.labels[full])
+        valid = mb.valid[full].float()
+        return ((1.0 - 0.5 * tv) * valid).sum(0), valid.sum(0)
+
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out acceptance per draft position (see ``eval_data``) and the accept length
+        it implies, 1 + sum_k prod_{j<=k} a_j (bonus token included)."""
+        gamma = self.draft_config.block_size
+        sums = torch.zeros(2, gamma, device=self.device)
+        was_training = self.drafter.training
+        self.drafter.eval()
+        try:
+            for i in range(0, len(self.eval_plan), self.cfg.micro_batch_size):
+                mb = self._micro_batch(self.eval_plan[i : i + self.cfg.micro_batch_size],
+                                       exact=True)  # fmt: skip
+                if mb is None:
+                    continue
+                acc, cnt = self._position_accept(to_device(mb, self.device))
+                sums[0] += acc
+                sums[1] += cnt
+        finally:
+            self.drafter.train(was_training)
+        sums = self.dist.all_reduce_(sums).cpu()
+        a = (sums[0] / sums[1].clamp_min(1.0)).tolist()
+        tau = 1.0 + float(torch.tensor(a).cumprod(0).sum())
+        return {
+            "step": self.step,
+            "accept": [round(x, 5) for x in a],
+            "positions": [int(x) for x in sums[1].tolist()],
+            "tau_estimate": round(tau, 5),
+        }
+
+    def _log_eval(self, fh) -> None:
+        rec = self.evaluate()
+        if fh is not None:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            logger.info(
+                "held-out step %d: accept per position %s, accept length %.3f", rec["step"],
+                " ".join(f"{x:.3f}" for x in rec["accept"]), rec["tau_estimate"],
+            )  # fmt: skip
+
     # -------------------------------------------------------------- loop
     def train(self) -> Path:
         cfg = self.cfg
@@ -720,6 +837,11 @@ class Trainer:
                 cfg.num_anchors, cfg.block_size,
             )  # fmt: skip
         metrics = (self.out_dir / "metrics.jsonl").open("a") if self.dist.main else None
+        evals = None
+        if cfg.eval_data:
+            evals = (self.out_dir / "eval.jsonl").open("a") if self.dist.main else None
+            if self.step == 0 and self.step < end:
+                self._log_eval(evals)
         t0, tokens = time.perf_counter(), 0
         boxed = False
         try:
@@ -739,6 +861,12 @@ class Trainer:
                            "elapsed_s": elapsed, "lm_head_budget": self.lm_head_budget}  # fmt: skip
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
+                if cfg.eval_data and (
+                    (cfg.eval_every and self.step % cfg.eval_every == 0)
+                    or self.step == self.total_steps
+                    or boxed
+                ):
+                    self._log_eval(evals)
                 if (
                     self.step % cfg.checkpoint_every == 0
                     or self.step == self.total_steps
@@ -748,8 +876,9 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-            if metrics is not None:
-                metrics.close()
+            for fh in (metrics, evals):
+                if fh is not None:
+                    fh.close()
         if boxed and self.step < self.total_steps:
             if self.dist.main:
                 logger.warning(
@@ -779,6 +908,30 @@ class Trainer:
         if self.dist.world > 1:
             dist.barrier()
         return out
+
+
+@torch.no_grad()
+def grow_drafter(drafter: DSparkDrafter, extra: int) -> DSparkDrafter:
+    """``drafter`` with ``extra`` decoder layers appended, each a copy of its last layer whose
+    attention output (o_proj) and MLP output (down_proj) are zero: a residual layer that adds
+    0, so the grown drafter's outputs equal the original's exactly until training moves them
+    (gradients reach o_proj and down_proj at once, the rest of the new layer through them)."""
+    if not isinstance(drafter, DSparkDrafter):
+        raise DraftConfigError("grow_layers applies to DSpark drafters (SGLang Qwen3DSparkModel)")
+    config = dataclasses.replace(
+        drafter.config, num_hidden_layers=drafter.config.num_hidden_layers + extra
+    )
+    grown = DSparkDrafter(config)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    n = drafter.config.num_hidden_layers
+    assert not unexpected and all(int(k.split(".")[1]) >= n for k in missing), missing
+    last = drafter.layers[n - 1].state_dict()
+    for layer in grown.layers[n:]:
+        layer.load_state_dict(last)
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    grown.shared = drafter.shared
+    return grown
 
 
 def disable_markov_bias(drafter: torch.nn.Module) -> None:

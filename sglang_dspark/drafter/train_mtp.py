@@ -84,6 +84,11 @@ class MtpTrainer(Trainer):
             )
         if cfg.dflash:
             raise DraftConfigError("dflash switches off a DSpark Markov head; MTP-1 has none.")
+        if cfg.grow_layers or cfg.eval_data:
+            raise DraftConfigError(
+                "grow_layers / eval_data are implemented for the DSpark trainer; drop them with "
+                "--drafter mtp (compare MTP-1 drafters with `sglang-dspark compare`)."
+            )
         if cfg.mse_weight or cfg.dense_anchors:
             raise DraftConfigError(
                 "mse_weight / dense_anchors are DSpark-only (the MSE term reads the Markov "
