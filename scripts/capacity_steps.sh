@@ -4,17 +4,19 @@
 # learning curve (train --eval-data: per draft position, the mean of 1 - TV/2 against the
 # target on responses the target sampled at T=1 to prompts no arm trains on, i.e. the expected
 # acceptance at temperature 1; at step 0 and every 50 steps):
-#   cont   the shipped drafter (1 layer) trained on          -> is it still gaining with steps?
-#   grow   the same plus a second layer (--grow-layers 1: starts as exactly the same function)
-#                                                            -> does capacity add to the steps?
+#   cont     the shipped drafter (1 layer) trained on        -> is it still gaining with steps?
+#   grow     plus a second layer (--grow-layers 1)            -> does a layer add to the steps?
+#   rank256  its Markov head at rank 256 instead of 64 (--grow-markov-rank 256)
+#                                                             -> does the Markov head's rank?
+# (both grown drafters start as exactly the shipped drafter's function).
 #
-#   scripts/capacity_steps.sh OUT_DIR [STEPS]      (STEPS 500: about 80 min on 2 idle cores)
+#   scripts/capacity_steps.sh OUT_DIR [STEPS]      (STEPS 500: about 1 h 45 min on 2 idle cores)
 #
 # Data: 320 new prompts (80 per domain: code, chat, math, writing; `data build --seed 2`)
 # answered greedily by the target, plus the 661 prompt-text sequences; held out: 64 prompts
 # of `data build --seed 3` answered at T=1, those sharing a prompt with the training data
-# dropped. The two arms run at once, one thread each, on one feature store. Then
-# `sglang-dspark curves` draws both curves. Resumable: rerun the same command.
+# dropped. cont and grow run at once, one thread each, then rank256 on two; one feature store.
+# Then `sglang-dspark curves` draws the curves. Resumable: rerun the same command.
 set -euxo pipefail
 OUT=${1:?usage: scripts/capacity_steps.sh OUT_DIR [STEPS]}
 STEPS=${2:-500}
@@ -53,16 +55,16 @@ with open(out / "heldout" / "heldout-t1.jsonl", "w") as fh:
                 dropped += 1
 print(f"held out: {kept} sequences kept, {dropped} sharing a prompt with the training data dropped")
 PY
-export OMP_NUM_THREADS=1
-for arm in "cont|" "grow|--grow-layers 1"; do
-  IFS='|' read -r name change <<<"$arm"
-  test -f "$OUT/run-$name/draft/config.json" && continue
-  # shellcheck disable=SC2086  # $change is a list of flags
-  "$BIN/sglang-dspark" train --config "$REPO/configs/smollm2-dspark.json" --data "$OUT/train" \
-      --target "$T" --out-dir "$OUT/run-$name" --init-draft "$REPO/sglang_dspark/assets/smollm2-dspark" \
-      --steps "$STEPS" --lr 3e-4 --warmup-ratio 0.02 --checkpoint-every 50 --decay 1.5 --seed 0 \
-      --eval-data "$OUT/heldout" --eval-every 50 --feature-store "$OUT/features" --no-progress \
-      $change > "$OUT/run-$name.log" 2>&1 &
-done
-wait
-"$BIN/sglang-dspark" curves cont="$OUT/run-cont" grow="$OUT/run-grow" --out "$OUT/curves"
+train() {  # NAME THREADS [FLAGS...]
+  local name=$1 threads=$2; shift 2
+  test -f "$OUT/run-$name/draft/config.json" && return 0
+  OMP_NUM_THREADS=$threads "$BIN/sglang-dspark" train --config "$REPO/configs/smollm2-dspark.json" \
+      --data "$OUT/train" --target "$T" --out-dir "$OUT/run-$name" \
+      --init-draft "$REPO/sglang_dspark/assets/smollm2-dspark" --steps "$STEPS" --lr 3e-4 \
+      --warmup-ratio 0.02 --checkpoint-every 50 --decay 1.5 --seed 0 --eval-data "$OUT/heldout" \
+      --eval-every 50 --feature-store "$OUT/features" --no-progress "$@" > "$OUT/run-$name.log" 2>&1
+}
+train cont 1 & a=$!; train grow 1 --grow-layers 1 & b=$!; wait "$a"; wait "$b"
+train rank256 2 --grow-markov-rank 256
+"$BIN/sglang-dspark" curves cont="$OUT/run-cont" grow="$OUT/run-grow" rank256="$OUT/run-rank256" \
+    --out "$OUT/curves"

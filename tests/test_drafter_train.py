@@ -558,6 +558,32 @@ def test_grown_drafter_computes_the_loaded_function_then_trains_its_new_layer(se
         Trainer(_cfg(root, target, "grow-bad", grow_layers=1))
 
 
+def test_markov_rank_grows_without_changing_the_drafts_or_confidences(setup):
+    from sglang_dspark.drafter.checkpoint import init_random_draft, load_draft
+    from sglang_dspark.drafter.config import DraftConfigError
+
+    root, target = setup
+    start = init_random_draft(target, root / "rank-start", block_size=4, markov_rank=8, seed=3)
+    trainer = Trainer(_cfg(root, target, "rank-grown", init_draft=str(start),
+                           grow_markov_rank=20, steps=3))  # fmt: skip
+    d = trainer.drafter
+    assert d.markov_head.markov_w1.weight.shape[1] == 20 and d.config.markov_rank == 20
+    loaded = load_draft(start).float()
+    loaded.attach_shared(trainer.target.embed_weight, trainer.target.lm_head_weight)
+    mb = trainer._micro_batch(trainer._plan(0)[:2])
+    with torch.no_grad():
+        h0, h1 = loaded(mb.context, mb.layout), d(mb.context, mb.layout)
+        torch.testing.assert_close(d.draft_logits(h1, mb.prev_tokens),
+                                   loaded.draft_logits(h0, mb.prev_tokens), rtol=0, atol=0)
+        torch.testing.assert_close(d.confidence_logits(h1, mb.prev_tokens),
+                                   loaded.confidence_logits(h0, mb.prev_tokens), rtol=0, atol=0)  # fmt: skip
+    grown = load_draft(trainer.train())
+    assert grown.config.markov_rank == 20
+    assert grown.markov_head.markov_w2.weight[:, 8:].abs().sum() > 0  # the new columns trained
+    with pytest.raises(DraftConfigError, match="only grows"):
+        Trainer(_cfg(root, target, "rank-bad", init_draft=str(start), grow_markov_rank=4))
+
+
 def test_held_out_evaluation_is_logged_and_agrees_with_a_direct_computation(setup, tmp_path):
     """eval.jsonl: per-position mean of 1 - TV/2 on the held-out blocks at step 0, every
     eval_every steps and at the end; the step-0 record equals the same quantity computed

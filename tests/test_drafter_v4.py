@@ -185,7 +185,7 @@ def trained(tiny, data, tmp_path_factory):
     """A short run (STEPS steps); the untrained and trained drafters' eval on the same
     blocks; the export."""
     out = tmp_path_factory.mktemp("v4-run")
-    trainer = build_trainer(_cfg(tiny, data, out))
+    trainer = build_trainer(_cfg(tiny, data, out, eval_data=str(data)))
     before = _eval(trainer)
     draft = trainer.train()
     after = _eval(trainer)
@@ -286,6 +286,18 @@ def test_a_short_run_lowers_the_loss_and_raises_the_acceptance_proxy(trained):
     assert last < first, (first, last)
     print(f"eval loss {loss0:.4f} -> {loss1:.4f}, accept {acc0:.4f} -> {acc1:.4f}; "
           f"train loss {first:.4f} -> {last:.4f}")  # fmt: skip
+
+
+def test_held_out_curve_of_a_v4_run(trained):
+    """--eval-data on the V4 trainer: records at step 0 and at the end, on the same blocks,
+    and the trained drafter's per-position acceptance is higher (as on the fixed blocks above)."""
+    out = Path(trained["trainer"].out_dir)
+    recs = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, STEPS]
+    assert recs[0]["positions"] == recs[1]["positions"] and recs[0]["positions"][0] > 0
+    mean = [sum(a * n for a, n in zip(r["accept"], r["positions"])) / sum(r["positions"])
+            for r in recs]  # fmt: skip
+    assert mean[1] > mean[0] + 0.005, mean
 
 
 # ============================================================================ (3) export

@@ -102,6 +102,10 @@ class TrainConfig:
     # layer with o_proj and down_proj zeroed: the grown drafter starts as exactly the loaded
     # one's function (both residual branches add 0) and the new layers learn from there.
     grow_layers: int = 0
+    # Raise the init_draft's Markov rank to this (vanilla head; 0 keeps it): new W1 columns
+    # random (N(0, 0.02), seeded), new W2 columns and confidence-head weights zero, so the
+    # grown drafter starts as exactly the loaded function.
+    grow_markov_rank: int = 0
     # Data.
     max_length: int = 2048
     num_anchors: int = 64  # anchors (blocks) per sequence
@@ -432,10 +436,10 @@ class Trainer:
             )
         if cfg.grow_layers < 0:
             raise DraftConfigError(f"grow_layers is {cfg.grow_layers}; use 0 (off) or n > 0")
-        if cfg.grow_layers and not cfg.init_draft:
+        if (cfg.grow_layers or cfg.grow_markov_rank) and not cfg.init_draft:
             raise DraftConfigError(
-                "grow_layers appends layers to a trained drafter: give --init-draft (a new "
-                "drafter takes --num-layers instead)"
+                "grow_layers / grow_markov_rank grow a trained drafter: give --init-draft (a "
+                "new drafter takes --num-layers / --markov-rank instead)"
             )
         if cfg.eval_every < 0:
             raise DraftConfigError(f"eval_every is {cfg.eval_every}; use 0 or n > 0 steps")
@@ -451,8 +455,15 @@ class Trainer:
         cfg = self.cfg
         if cfg.init_draft:
             loaded = DSparkDraftConfig.load(cfg.init_draft)
+            if cfg.grow_markov_rank and cfg.grow_markov_rank < loaded.markov_rank:
+                raise DraftConfigError(
+                    f"grow_markov_rank {cfg.grow_markov_rank} is below the draft's Markov rank "
+                    f"{loaded.markov_rank}; a drafter only grows"
+                )
             return dataclasses.replace(
-                loaded, num_hidden_layers=loaded.num_hidden_layers + max(cfg.grow_layers, 0)
+                loaded,
+                num_hidden_layers=loaded.num_hidden_layers + max(cfg.grow_layers, 0),
+                markov_rank=cfg.grow_markov_rank or loaded.markov_rank,
             )
         return DSparkDraftConfig.for_target(
             target_config,
@@ -476,8 +487,11 @@ class Trainer:
     def _build_drafter(self) -> torch.nn.Module:
         if self.cfg.init_draft:
             drafter = self._load_drafter(self.cfg.init_draft)
-            if self.cfg.grow_layers:
-                drafter = grow_drafter(drafter, self.cfg.grow_layers)
+            if self.cfg.grow_layers or self.cfg.grow_markov_rank:
+                drafter = grow_drafter(
+                    drafter, self.cfg.grow_layers, markov_rank=self.cfg.grow_markov_rank,
+                    seed=self.cfg.seed,
+                )  # fmt: skip
         else:
             drafter = self._new_drafter()
             init_weights(drafter, seed=self.cfg.seed)
@@ -911,19 +925,42 @@ class Trainer:
 
 
 @torch.no_grad()
-def grow_drafter(drafter: DSparkDrafter, extra: int) -> DSparkDrafter:
-    """``drafter`` with ``extra`` decoder layers appended, each a copy of its last layer whose
-    attention output (o_proj) and MLP output (down_proj) are zero: a residual layer that adds
-    0, so the grown drafter's outputs equal the original's exactly until training moves them
-    (gradients reach o_proj and down_proj at once, the rest of the new layer through them)."""
+def grow_drafter(
+    drafter: DSparkDrafter, extra: int = 0, *, markov_rank: int = 0, seed: int = 0
+) -> DSparkDrafter:
+    """``drafter`` grown without changing its function:
+
+    - ``extra`` decoder layers appended, each a copy of its last layer whose attention output
+      (o_proj) and MLP output (down_proj) are zero: a residual layer that adds 0 (gradients
+      reach o_proj and down_proj at once, the rest of the new layer through them);
+    - a vanilla Markov head's rank raised to ``markov_rank``: the new W1 columns N(0, 0.02)
+      from ``seed``, the new W2 columns and the confidence head's weights on them zero (B_k and
+      c_k unchanged; W2's new columns get gradients through the random W1 ones)."""
     if not isinstance(drafter, DSparkDrafter):
-        raise DraftConfigError("grow_layers applies to DSpark drafters (SGLang Qwen3DSparkModel)")
+        raise DraftConfigError("growing applies to DSpark drafters (SGLang Qwen3DSparkModel)")
+    old = drafter.config
+    rank = markov_rank or old.markov_rank
+    if rank != old.markov_rank and old.markov_head_type != "vanilla":
+        raise DraftConfigError(
+            f"grow_markov_rank applies to the vanilla Markov head, not {old.markov_head_type!r}"
+        )
     config = dataclasses.replace(
-        drafter.config, num_hidden_layers=drafter.config.num_hidden_layers + extra
+        old, num_hidden_layers=old.num_hidden_layers + extra, markov_rank=rank
     )
     grown = DSparkDrafter(config)
-    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
-    n = drafter.config.num_hidden_layers
+    state = drafter.state_dict()
+    if rank != old.markov_rank:
+        r0, gen = old.markov_rank, torch.Generator().manual_seed(int(seed))
+        w1 = state["markov_head.markov_w1.weight"]
+        new_w1 = torch.randn(w1.shape[0], rank - r0, generator=gen, dtype=torch.float32) * 0.02
+        state["markov_head.markov_w1.weight"] = torch.cat([w1, new_w1.to(w1.dtype)], dim=1)
+        w2 = state["markov_head.markov_w2.weight"]
+        state["markov_head.markov_w2.weight"] = torch.cat([w2, w2.new_zeros(w2.shape[0], rank - r0)], 1)
+        if "confidence_head.proj.weight" in state and old.confidence_head_with_markov:
+            w = state["confidence_head.proj.weight"]
+            state["confidence_head.proj.weight"] = torch.cat([w, w.new_zeros(1, rank - r0)], 1)
+    missing, unexpected = grown.load_state_dict(state, strict=False)
+    n = old.num_hidden_layers
     assert not unexpected and all(int(k.split(".")[1]) >= n for k in missing), missing
     last = drafter.layers[n - 1].state_dict()
     for layer in grown.layers[n:]:

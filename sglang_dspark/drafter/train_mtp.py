@@ -84,9 +84,9 @@ class MtpTrainer(Trainer):
             )
         if cfg.dflash:
             raise DraftConfigError("dflash switches off a DSpark Markov head; MTP-1 has none.")
-        if cfg.grow_layers or cfg.eval_data:
+        if cfg.grow_layers or cfg.grow_markov_rank or cfg.eval_data:
             raise DraftConfigError(
-                "grow_layers / eval_data are implemented for the DSpark trainer; drop them with "
+                "grow_layers / grow_markov_rank / eval_data are implemented for the DSpark trainer; drop them with "
                 "--drafter mtp (compare MTP-1 drafters with `sglang-dspark compare`)."
             )
         if cfg.mse_weight or cfg.dense_anchors:

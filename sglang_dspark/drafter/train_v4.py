@@ -69,9 +69,9 @@ class V4Trainer(Trainer):
                 "MSE target is a post-norm hidden state; V4's draft hidden is pre-norm); set "
                 "them to 0."
             )
-        if cfg.grow_layers:
+        if cfg.grow_layers or cfg.grow_markov_rank:
             raise DraftConfigError(
-                "grow_layers is not available with --drafter dspark-v4 (a V4 draft has one "
+                "grow_layers / grow_markov_rank are not available with --drafter dspark-v4 (a V4 draft has one "
                 "stage per target layer id); drop it."
             )
         super()._check_loss_options()
