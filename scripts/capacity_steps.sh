@@ -10,7 +10,7 @@
 #                                                             -> does the Markov head's rank?
 # (both grown drafters start as exactly the shipped drafter's function).
 #
-#   scripts/capacity_steps.sh OUT_DIR [STEPS]      (STEPS 500: about 1 h 45 min on 2 idle cores)
+#   scripts/capacity_steps.sh OUT_DIR [STEPS]      (STEPS 500: about 2 h on 2 idle cores)
 #
 # Data: 320 new prompts (80 per domain: code, chat, math, writing; `data build --seed 2`)
 # answered greedily by the target, plus the 661 prompt-text sequences; held out: 64 prompts

@@ -648,7 +648,7 @@ class Trainer:
 
     def _target_features(self, seq: TokenSequence) -> TargetFeatures:
         """The target is frozen, so a sequence's features never change: compute them once.
-        Held-out sequences (negative index) keep theirs in a cache of their own."""
+        Held-out sequences (index <= _EVAL_INDEX) keep theirs in a cache of their own."""
         if seq.index <= _EVAL_INDEX:
             feats = self._eval_features.get(seq.index)
             if feats is None:
