@@ -552,18 +552,17 @@ class Trainer:
         """(sequence, full-loss blocks, dense-MSE-only blocks) for this rank's samples."""
         epoch, samples = self.schedule.samples(step)
         local = samples[self.dist.rank :: self.dist.world]
+        seed = self.cfg.seed
+        dense = self.cfg.dense_anchors
+        return [self._blocks(self.sequences[i], _stable_seed(seed, epoch, i), dense) for i in local]
+
+    def _blocks(
+        self, seq: TokenSequence, seed: int, num_dense: int
+    ) -> tuple[TokenSequence, BlockTargets, BlockTargets]:
+        """``seq`` with num_anchors full-loss blocks and ``num_dense`` dense-MSE-only ones."""
         gamma = self.draft_config.block_size
-        plan = []
-        for idx in local:
-            seq = self.sequences[idx]
-            full, dense = sample_anchor_split(
-                seq.loss_mask,
-                self.cfg.num_anchors,
-                self.cfg.dense_anchors,
-                _stable_seed(self.cfg.seed, epoch, idx),
-            )
-            plan.append((seq, block_targets(seq, full, gamma), block_targets(seq, dense, gamma)))
-        return plan
+        full, dense = sample_anchor_split(seq.loss_mask, self.cfg.num_anchors, num_dense, seed)
+        return seq, block_targets(seq, full, gamma), block_targets(seq, dense, gamma)
 
     def _weight_totals(self, plan: list) -> torch.Tensor:
         """This rank's [loss normaliser, MSE normaliser]: sums of w_k over supervised
@@ -765,17 +764,15 @@ class Trainer:
         """Fixed blocks of the held-out sequences (this rank's share): num_anchors anchors
         each, drawn once from the seed, so every evaluation sees the same blocks."""
         seqs = load_sequences(self.cfg.eval_data, max_length=self.cfg.max_length)
-        gamma = self.draft_config.block_size
-        plan = []
-        for i, seq in enumerate(seqs):
-            if i % self.dist.world != self.dist.rank:
-                continue
-            seq = dataclasses.replace(seq, index=_EVAL_INDEX - i)
-            full, _ = sample_anchor_split(
-                seq.loss_mask, self.cfg.num_anchors, 0, _stable_seed(self.cfg.seed, "eval", i)
+        plan = [
+            self._blocks(
+                dataclasses.replace(seq, index=_EVAL_INDEX - i),
+                _stable_seed(self.cfg.seed, "eval", i),
+                0,
             )
-            empty = full[:0]
-            plan.append((seq, block_targets(seq, full, gamma), block_targets(seq, empty, gamma)))
+            for i, seq in enumerate(seqs)
+            if i % self.dist.world == self.dist.rank
+        ]
         if not any(bt.valid.any() for _, bt, _ in plan) and self.dist.world == 1:
             raise DraftConfigError(
                 f"eval_data {self.cfg.eval_data} has no response position to evaluate (every "
