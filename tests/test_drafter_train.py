@@ -71,6 +71,11 @@ def _cfg(root: Path, target: Path, out: str, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def _blocks(drafter, mb) -> torch.Tensor:
+    """h_1..h_gamma [B, gamma, H] of a micro-batch's real blocks (its layout is batched)."""
+    return drafter(mb.context, mb.layout).flatten(0, 1)[mb.rows]
+
+
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "draft" / "model.safetensors"))
 
@@ -160,8 +165,9 @@ def test_training_lowers_the_loss(setup):
 
 
 def test_feature_cache_runs_the_target_once_per_sequence_and_changes_nothing(setup):
-    """12 steps of 4 over 24 sequences = 2 epochs: the cached run calls the target 24 times
-    (not 48) and ends with exactly the weights of the uncached run."""
+    """12 steps of 4 over 24 sequences = 2 epochs: the cached run runs the target over 24
+    sequences (not 48), one batched forward per micro-batch, and ends with the weights of the
+    uncached run."""
     root, target = setup
     runs = {}
     for name, gb in (("cached", 1.0), ("uncached", 0.0)):
@@ -169,14 +175,18 @@ def test_feature_cache_runs_the_target_once_per_sequence_and_changes_nothing(set
         calls = []
 
         def counted(ids, *a, _calls=calls, _original=trainer.target.features, **k):
-            _calls.append(1)
+            _calls.append(ids.shape[0])
             return _original(ids, *a, **k)
 
         trainer.target.features = counted
-        runs[name] = (_weights(trainer.train().parent), len(calls))
+        runs[name] = (_weights(trainer.train().parent), calls)
     (cached, n_cached), (uncached, n_uncached) = runs["cached"], runs["uncached"]
-    assert n_cached == 24 and n_uncached == 48
-    assert all(torch.equal(cached[k], uncached[k]) for k in cached)
+    assert sum(n_cached) == 24 and sum(n_uncached) == 48
+    assert n_cached == [24]  # one length-sorted group (target_batch_size 32) fills the cache
+    assert max(n_uncached) == 2  # micro_batch_size sequences per target forward
+    # Padding to another length may move the last bits of a float32 forward; nothing more.
+    for k in cached:
+        torch.testing.assert_close(cached[k], uncached[k], rtol=1e-4, atol=1e-6)
 
 
 def test_resume_matches_uninterrupted_run(setup):
@@ -390,7 +400,8 @@ def test_target_top_k_supervision(setup, tmp_path):
     trainer.train()
     first = [json.loads(line) for line in (root / "topk-8" / "metrics.jsonl").open()]
     assert first[-1]["loss"] < first[0]["loss"]
-    assert len(calls) == trainer._store.misses  # one full-sequence call per computed sequence
+    # The LM head ran once per token of the data (the top-k, with the features), never in a step.
+    assert sum(calls) == sum(seq.input_ids.numel() for seq in trainer.sequences)
     (key_dir,) = store.iterdir()
     stored = load_file(str(next(key_dir.iterdir())))
     assert stored["topk_ids"].shape[-1] == 8 and stored["topk_logp"].shape == stored["topk_ids"].shape
@@ -544,8 +555,8 @@ def test_grown_drafter_computes_the_loaded_function_then_trains_its_new_layer(se
     loaded.attach_shared(trainer.target.embed_weight, trainer.target.lm_head_weight)
     mb = trainer._micro_batch(trainer._plan(0)[:2])
     with torch.no_grad():
-        want = loaded.draft_logits(loaded(mb.context, mb.layout), mb.prev_tokens)
-        got = trainer.drafter.draft_logits(trainer.drafter(mb.context, mb.layout), mb.prev_tokens)
+        want = loaded.draft_logits(_blocks(loaded, mb), mb.prev_tokens)
+        got = trainer.drafter.draft_logits(_blocks(trainer.drafter, mb), mb.prev_tokens)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     out = trainer.train()
     grown = load_draft(out)
@@ -572,11 +583,13 @@ def test_markov_rank_grows_without_changing_the_drafts_or_confidences(setup):
     loaded.attach_shared(trainer.target.embed_weight, trainer.target.lm_head_weight)
     mb = trainer._micro_batch(trainer._plan(0)[:2])
     with torch.no_grad():
-        h0, h1 = loaded(mb.context, mb.layout), d(mb.context, mb.layout)
+        h0, h1 = _blocks(loaded, mb), _blocks(d, mb)
         torch.testing.assert_close(d.draft_logits(h1, mb.prev_tokens),
                                    loaded.draft_logits(h0, mb.prev_tokens), rtol=0, atol=0)
+        # The confidence head's input grows by zero columns: the same sum, in another
+        # blocking of the float32 reduction (a few ulp).
         torch.testing.assert_close(d.confidence_logits(h1, mb.prev_tokens),
-                                   loaded.confidence_logits(h0, mb.prev_tokens), rtol=0, atol=0)  # fmt: skip
+                                   loaded.confidence_logits(h0, mb.prev_tokens), rtol=0, atol=1e-6)  # fmt: skip
     grown = load_draft(trainer.train())
     assert grown.config.markov_rank == 20
     assert grown.markov_head.markov_w2.weight[:, 8:].abs().sum() > 0  # the new columns trained
@@ -602,10 +615,8 @@ def test_held_out_evaluation_is_logged_and_agrees_with_a_direct_computation(setu
     for item in trainer.eval_plan:
         mb = trainer._micro_batch([item], exact=True)
         with torch.no_grad():
-            logits = trainer.drafter.draft_logits(
-                trainer.drafter(mb.context, mb.layout), mb.prev_tokens
-            )
-            tv, _ = tv_ce(logits, mb.target_logits, mb.labels)
+            logits = trainer.drafter.draft_logits(_blocks(trainer.drafter, mb), mb.prev_tokens)
+            tv, _ = tv_ce(logits, trainer.target.logits(mb.target), mb.labels)
         acc += ((1 - tv / 2) * mb.valid).sum(0)
         cnt += mb.valid.float().sum(0)
     trainer.train()

@@ -1,6 +1,7 @@
 """Training data for the drafters: token sequences, anchors, and each block's targets.
 
-Format (JSONL, one sequence per line; a directory of *.jsonl files also works):
+Format (JSONL, one sequence per line; gzipped .jsonl.gz too; a directory of such files also
+works):
 
     {"input_ids": [int, ...], "loss_mask": [0|1, ...]}
 
@@ -15,6 +16,7 @@ run replays exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from dataclasses import dataclass
@@ -35,12 +37,19 @@ class TokenSequence:
 def load_sequences(path: str | Path, *, max_length: int) -> list[TokenSequence]:
     """Read the JSONL format described in the module docstring."""
     path = Path(path)
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if path.is_dir():
+        files = sorted([*path.glob("*.jsonl"), *path.glob("*.jsonl.gz")])
+    else:
+        files = [path]
     if not files or not all(f.is_file() for f in files):
-        raise DraftConfigError(f"no training data at {path}; pass a JSONL file or a directory.")
+        raise DraftConfigError(
+            f"no training data at {path}; pass a JSONL file (.jsonl or .jsonl.gz) or a "
+            "directory of them."
+        )
     out: list[TokenSequence] = []
     for f in files:
-        with f.open() as fh:
+        opener = gzip.open if f.name.endswith(".gz") else open
+        with opener(f, "rt") as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue

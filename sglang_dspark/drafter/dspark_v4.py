@@ -452,7 +452,12 @@ class DSparkV4Drafter(DrafterHeads, nn.Module):
     def forward(self, target_features: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """x_post_hc [B, gamma, H] of every block in ``layout``: the collapsed streams before
         the final norm (SGLang's ``confidence_features``; :meth:`base_logits` applies the
-        norm)."""
+        norm). A batched layout (context [N, S, m*H]) runs packed and comes back as
+        [N, A, gamma, H]: each block reads a fixed window, so packing costs nothing extra."""
+        if target_features.dim() == 3:
+            N, A = layout.block_ids.shape[:2]
+            out = self.forward(target_features.flatten(0, 1), layout.packed())
+            return out.unflatten(0, (N, A))
         cfg = self.config
         main_x = self.project_context(target_features)
         # Window: the last SWA_WINDOW context rows before the anchor, within the sequence.
@@ -481,10 +486,9 @@ class DSparkV4Drafter(DrafterHeads, nn.Module):
             )
         return self.hc_head(x)
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """U_k = lm_head(norm(x_post_hc_k)) through the target's frozen LM head."""
-        w = self._require_shared().lm_head_weight
-        return F.linear(self.norm(hidden).to(w.dtype), w)
+    def lm_head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """U_k = lm_head(norm(x_post_hc_k)): the LM head reads the normed state."""
+        return self.norm(hidden)
 
 
 @torch.no_grad()

@@ -67,9 +67,8 @@ class FeatureStore:
         ids = input_ids.to(torch.int64).contiguous().numpy().tobytes()
         return self.dir / f"{hashlib.sha256(ids).hexdigest()}.safetensors"
 
-    def get(
-        self, input_ids: torch.Tensor, compute: Callable[[torch.Tensor], TargetFeatures]
-    ) -> TargetFeatures:
+    def load(self, input_ids: torch.Tensor) -> TargetFeatures | None:
+        """The stored features of these tokens (on the CPU), or None (absent or unreadable)."""
         path = self.path(input_ids)
         if path.is_file():
             try:
@@ -83,8 +82,20 @@ class FeatureStore:
             except (SafetensorError, KeyError, OSError) as e:
                 logger.warning("feature store: %s is unreadable (%s); recomputing it", path, e)
         self.misses += 1
-        feats = compute(input_ids)
+        return None
+
+    def save(self, input_ids: torch.Tensor, feats: TargetFeatures) -> None:
+        path = self.path(input_ids)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file({k: v.contiguous().cpu() for k, v in feats.tensors().items()}, str(tmp))
         os.replace(tmp, path)
+
+    def get(
+        self, input_ids: torch.Tensor, compute: Callable[[torch.Tensor], TargetFeatures]
+    ) -> TargetFeatures:
+        """The stored features of these tokens, else ``compute``'s (then stored)."""
+        feats = self.load(input_ids)
+        if feats is None:
+            feats = compute(input_ids)
+            self.save(input_ids, feats)
         return feats

@@ -97,7 +97,16 @@ class LossSums:
         return cls(*(torch.zeros((), device=device) for _ in fields(cls)))
 
 
-_CHUNK_ROWS = 64
+# Rows per fp32 pass over the vocabulary in the TV/CE functions. Each pass is memory-bound: on
+# a CPU a chunk small enough to stay in cache (8 rows x 49 152 x 4 B = 1.5 MiB) made TV/CE
+# forward + backward 2.1x faster than 64 rows (1 344 rows of SmolLM2's vocabulary, bf16
+# logits: 0.55 s -> 0.26 s on 2 cores, best of 5); on a GPU each chunk costs kernel launches: large.
+_CHUNK_ROWS: int | None = None  # None: _DEVICE_CHUNK_ROWS for the tensor's device
+_DEVICE_CHUNK_ROWS = {"cpu": 8, "cuda": 2048}
+
+
+def _chunk_rows(t: torch.Tensor) -> int:
+    return _CHUNK_ROWS or _DEVICE_CHUNK_ROWS.get(t.device.type, 256)
 
 
 def _tv_ce_grad(p_d, sign, g_tv, g_ce, labels):
@@ -116,8 +125,9 @@ class _TvCe(torch.autograd.Function):
         n = z.shape[0]
         tv = torch.empty(n, dtype=torch.float32, device=z.device)
         ce = torch.empty(n, dtype=torch.float32, device=z.device)
-        for i in range(0, n, _CHUNK_ROWS):
-            sl = slice(i, i + _CHUNK_ROWS)
+        step = _chunk_rows(z)
+        for i in range(0, n, step):
+            sl = slice(i, i + step)
             log_pd = torch.log_softmax(z[sl].float(), dim=-1)
             p_t = torch.softmax(t[sl].float(), dim=-1)
             tv[sl] = (log_pd.exp() - p_t).abs().sum(dim=-1)
@@ -132,8 +142,9 @@ class _TvCe(torch.autograd.Function):
         g_tv = torch.zeros(n, device=z.device) if g_tv is None else g_tv.float()
         g_ce = torch.zeros(n, device=z.device) if g_ce is None else g_ce.float()
         grad = torch.empty_like(z)
-        for i in range(0, n, _CHUNK_ROWS):
-            sl = slice(i, i + _CHUNK_ROWS)
+        step = _chunk_rows(z)
+        for i in range(0, n, step):
+            sl = slice(i, i + step)
             p_d = torch.softmax(z[sl].float(), dim=-1)
             sign = torch.sign(p_d - torch.softmax(t[sl].float(), dim=-1))
             grad[sl] = _tv_ce_grad(p_d, sign, g_tv[sl], g_ce[sl], labels[sl]).to(grad.dtype)
@@ -184,8 +195,9 @@ class _TvCeTopK(torch.autograd.Function):
         n = z.shape[0]
         tv = torch.empty(n, dtype=torch.float32, device=z.device)
         ce = torch.empty(n, dtype=torch.float32, device=z.device)
-        for i in range(0, n, _CHUNK_ROWS):
-            sl = slice(i, i + _CHUNK_ROWS)
+        step = _chunk_rows(z)
+        for i in range(0, n, step):
+            sl = slice(i, i + step)
             log_pd = torch.log_softmax(z[sl].float(), dim=-1)
             pd_s, pt_s, q_out, p_out = _bucket_terms(log_pd, ids[sl], logp_t[sl])
             tv[sl] = (pd_s - pt_s).abs().sum(-1) + (q_out - p_out).abs().squeeze(-1)
@@ -200,8 +212,9 @@ class _TvCeTopK(torch.autograd.Function):
         g_tv = torch.zeros(n, device=z.device) if g_tv is None else g_tv.float()
         g_ce = torch.zeros(n, device=z.device) if g_ce is None else g_ce.float()
         grad = torch.empty_like(z)
-        for i in range(0, n, _CHUNK_ROWS):
-            sl = slice(i, i + _CHUNK_ROWS)
+        step = _chunk_rows(z)
+        for i in range(0, n, step):
+            sl = slice(i, i + step)
             log_pd = torch.log_softmax(z[sl].float(), dim=-1)
             p_d = log_pd.exp()
             pd_s, pt_s, q_out, p_out = _bucket_terms(log_pd, ids[sl], logp_t[sl])

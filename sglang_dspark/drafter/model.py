@@ -15,9 +15,12 @@ This is exactly what SGLang 0.5.23 computes in ``srt/models/dflash.py`` /
 forward with ENCODER_ONLY attention for the block, ``compute_base_logits``), with the same
 parameter names, so a state_dict of :class:`DSparkDrafter` is an SGLang checkpoint.
 
-Training packs many blocks (of many sequences) into one call. Which context each block sees
-is given by two index vectors, ``ctx_lo[b] <= j < ctx_hi[b]`` (anchor-bounded packing); the
-only mask ever built is [blocks, context], never [seq, seq].
+Training runs many blocks of many sequences in one call, in one of two layouts
+(:class:`BlockLayout`). Packed: every sequence's context rows in one [S, m*H] tensor and two
+index vectors, ``ctx_lo[b] <= j < ctx_hi[b]``, say which rows block b sees. Batched: context
+[N, S, m*H] (sequences padded to one length) and blocks [N, A, gamma] (A per sequence), so
+each block's scores cover its own sequence's rows only: the cost grows with N, not N^2 as
+packing many sequences does. The only mask ever built is [blocks, context], never [seq, seq].
 """
 
 from __future__ import annotations
@@ -70,9 +73,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class BlockLayout:
     """Where each block sits: the index vectors that replace a dense attention mask.
 
-    block_ids [B, gamma]: [anchor, mask, ..., mask]; positions [B, gamma]: a..a+gamma-1;
-    ctx_positions [S]: RoPE position of each packed context row; ctx_lo / ctx_hi [B]: block b
-    sees context rows ctx_lo[b] <= j < ctx_hi[b] (its sequence's rows before its anchor).
+    Packed (context [S, m*H]): block_ids [B, gamma]: [anchor, mask, ..., mask]; positions
+    [B, gamma]: a..a+gamma-1; ctx_positions [S]: RoPE position of each packed context row;
+    ctx_lo / ctx_hi [B]: block b sees context rows ctx_lo[b] <= j < ctx_hi[b] (its
+    sequence's rows before its anchor).
+
+    Batched (context [N, S, m*H], one padded sequence per row): the same fields with a leading
+    sequence dim, block_ids / positions [N, A, gamma], ctx_positions [N, S], ctx_lo / ctx_hi
+    [N, A] (rows of that sequence). A padding block sees no context (ctx_hi = ctx_lo).
     """
 
     block_ids: torch.Tensor
@@ -83,7 +91,31 @@ class BlockLayout:
 
     @property
     def anchors(self) -> torch.Tensor:
-        return self.block_ids[:, 0]
+        return self.block_ids[..., 0]
+
+    @property
+    def batched(self) -> bool:
+        return self.block_ids.dim() == 3
+
+    def unsqueezed(self) -> BlockLayout:
+        """A packed layout as a batch of one."""
+        return BlockLayout(*(getattr(self, f)[None] for f in _LAYOUT_FIELDS))
+
+    def packed(self) -> BlockLayout:
+        """A batched layout as a packed one over its N*S context rows (context.flatten(0, 1)):
+        blocks [N*A, gamma], sequence n's rows at n*S .. n*S + S - 1."""
+        N, S = self.ctx_positions.shape
+        base = (torch.arange(N, device=self.ctx_lo.device) * S)[:, None]
+        return BlockLayout(
+            block_ids=self.block_ids.flatten(0, 1),
+            positions=self.positions.flatten(0, 1),
+            ctx_positions=self.ctx_positions.flatten(),
+            ctx_lo=(self.ctx_lo + base).flatten(),
+            ctx_hi=(self.ctx_hi + base).flatten(),
+        )
+
+
+_LAYOUT_FIELDS = ("block_ids", "positions", "ctx_positions", "ctx_lo", "ctx_hi")
 
 
 def single_sequence_layout(
@@ -138,24 +170,25 @@ class DSparkAttention(nn.Module):
         ctx_v: torch.Tensor,
         ctx_visible: torch.Tensor,
     ) -> torch.Tensor:
-        """x [B, g, H] (normed block rows); ctx_k/ctx_v [S, kvh, hd]; ctx_visible [B, S]."""
-        B, g, _ = x.shape
+        """x [N, B, g, H] (normed block rows of N sequences); ctx_k/ctx_v [N, S, kvh, hd];
+        ctx_visible [N, B, S]."""
+        N, B, g, _ = x.shape
         kvh, hd = self.num_kv_heads, self.head_dim
         rep = self.num_heads // kvh
         cos, sin = rope_cos_sin(positions, hd, self.rope_theta)
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, hd))), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).unflatten(-1, (kvh, hd))), cos, sin)
         v = self.v_proj(x).unflatten(-1, (kvh, hd))
-        # GQA: query head h reads kv head h // rep.  q: [B, g, kvh, rep, hd]
-        q = q.unflatten(2, (kvh, rep)) * self.scaling
-        s_ctx = torch.einsum("bqkrd,skd->bkrqs", q, ctx_k.to(q.dtype))  # [B, kvh, rep, g, S]
-        s_blk = torch.einsum("bqkrd,bpkd->bkrqp", q, k)  # [B, kvh, rep, g, g]: bidirectional
-        s_ctx = s_ctx.float().masked_fill(~ctx_visible[:, None, None, None, :], float("-inf"))
+        # GQA: query head h reads kv head h // rep.  q: [N, B, g, kvh, rep, hd]
+        q = q.unflatten(3, (kvh, rep)) * self.scaling
+        s_ctx = torch.einsum("nbqkrd,nskd->nbkrqs", q, ctx_k.to(q.dtype))  # [N,B,kvh,rep,g,S]
+        s_blk = torch.einsum("nbqkrd,nbpkd->nbkrqp", q, k)  # [N,B,kvh,rep,g,g]: bidirectional
+        s_ctx = s_ctx.float().masked_fill(~ctx_visible[:, :, None, None, None, :], float("-inf"))
         probs = torch.softmax(torch.cat([s_ctx, s_blk.float()], dim=-1), dim=-1)
         p_ctx, p_blk = probs.to(v.dtype).split([s_ctx.shape[-1], g], dim=-1)
-        out = torch.einsum("bkrqs,skd->bqkrd", p_ctx, ctx_v.to(v.dtype))
-        out = out + torch.einsum("bkrqp,bpkd->bqkrd", p_blk, v)
-        return self.o_proj(out.reshape(B, g, self.num_heads * hd))
+        out = torch.einsum("nbkrqs,nskd->nbqkrd", p_ctx, ctx_v.to(v.dtype))
+        out = out + torch.einsum("nbkrqp,nbpkd->nbqkrd", p_blk, v)
+        return self.o_proj(out.reshape(N, B, g, self.num_heads * hd))
 
 
 class DSparkMLP(nn.Module):
@@ -210,7 +243,7 @@ class DrafterHeads:
     """What every drafter over the target's vocabulary shares, whatever its backbone: the
     target's embedding and LM head (attached, never in state_dict), the sequential stage (U_k +
     the Markov bias B_k) and the confidence head. A subclass sets ``config``, ``markov_head``,
-    ``confidence_head`` and ``shared`` and defines ``base_logits``."""
+    ``confidence_head`` and ``shared`` and may override ``lm_head_input``."""
 
     drafter_name = "drafter"  # how errors about the shared vocab name it
 
@@ -228,9 +261,26 @@ class DrafterHeads:
         return self.shared
 
     # ------------------------------------------------------------------ sequential stage
+    def lm_head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the frozen LM head reads: h_k itself (V4 drafts normalise it first)."""
+        return hidden
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """U_k = lm_head_input(h_k) W_lm^T through the target's frozen LM head."""
+        w = self._require_shared().lm_head_weight
+        return F.linear(self.lm_head_input(hidden).to(w.dtype), w)
+
     def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced U_k + B_k: prev_tokens [B, gamma] = (x_0=anchor, x_1, ..)."""
-        return self.base_logits(hidden) + self.markov_head.block_bias(prev_tokens, hidden)
+        """Teacher-forced U_k + B_k: prev_tokens [B, gamma] = (x_0=anchor, x_1, ..).
+        The sum is the GEMM's accumulator (addmm: B_k + h_k W_lm^T in one pass over the
+        [rows, V] output, 1.5x faster than a product and an add on a CPU)."""
+        bias = self.markov_head.block_bias(prev_tokens, hidden)
+        w = self._require_shared().lm_head_weight
+        x = self.lm_head_input(hidden).to(w.dtype)
+        if bias.dtype != w.dtype and not torch.is_autocast_enabled(bias.device.type):
+            return F.linear(x, w) + bias  # mixed dtypes: the promoting add
+        out = torch.addmm(bias.reshape(-1, bias.shape[-1]), x.reshape(-1, x.shape[-1]), w.t())
+        return out.view(bias.shape)
 
     def confidence_logits(
         self, hidden: torch.Tensor, prev_tokens: torch.Tensor
@@ -292,20 +342,22 @@ class DSparkDrafter(DrafterHeads, nn.Module):
         return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
 
     def forward(self, target_features: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-        """h_1..h_gamma [B, gamma, H] of every block in ``layout`` (after the final norm)."""
+        """h_1..h_gamma of every block in ``layout`` (after the final norm): [B, gamma, H] for
+        a packed layout (context [S, m*H]), [N, A, gamma, H] for a batched one ([N, S, m*H])."""
+        batched = target_features.dim() == 3
+        if batched != layout.batched:
+            raise ValueError("context [N, S, F] goes with a batched layout, [S, F] with a packed one")
+        if not batched:
+            target_features, layout = target_features[None], layout.unsqueezed()
         ctx = self.project_context(target_features)
-        S = ctx.shape[0]
-        j = torch.arange(S, device=ctx.device)
-        ctx_visible = (j[None, :] >= layout.ctx_lo[:, None]) & (j[None, :] < layout.ctx_hi[:, None])
+        j = torch.arange(ctx.shape[1], device=ctx.device)
+        ctx_visible = (j >= layout.ctx_lo[..., None]) & (j < layout.ctx_hi[..., None])  # [N,A,S]
         x = self.embed(layout.block_ids).to(ctx.dtype)
         for layer in self.layers:
             x = layer(x, layout.positions, ctx, layout.ctx_positions, ctx_visible)
-        return self.norm(x)
+        x = self.norm(x)
+        return x if batched else x[0]
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """U_k = h_k W_lm^T through the target's frozen LM head."""
-        w = self._require_shared().lm_head_weight
-        return F.linear(hidden.to(w.dtype), w)
 
 
 @torch.no_grad()

@@ -287,13 +287,20 @@ class MtpAttention(nn.Module):
     def forward(
         self, u: torch.Tensor, positions: torch.Tensor, seq_lens: Sequence[int]
     ) -> torch.Tensor:
-        """u [N, 2H] (packed rows of len(seq_lens) sequences), positions [N] -> [N, H]."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(u.device)
+        """u [N, 2H] (packed rows of len(seq_lens) sequences), positions [N] -> [N, H]; or
+        batched, u [N, T, 2H] (right-padded sequences), positions [N, T] -> [N, T, H]."""
+        freqs = positions.float()[..., None] * self.inv_freq.to(u.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
         q = apply_rope(self.q_proj(u).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
         k = apply_rope(self.k_proj(u).unflatten(-1, (self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(u).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if u.dim() == 3:  # causal: a real row never reads the padding after it
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, enable_gqa=True,
+            )  # fmt: skip
+            return self.o_proj(o.transpose(1, 2).flatten(2))
         outs = []
         for qs, ks, vs in zip(*(t.split(list(seq_lens)) for t in (q, k, v))):  # per sequence
             o = F.scaled_dot_product_attention(
@@ -350,8 +357,12 @@ class MtpDrafter(nn.Module):
         seq_lens: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """o_t [N, H] for rows (h_t, x_{t+1}) at position t; rows are packed sequences of
-        ``seq_lens`` (default: one sequence), each attended causally within itself."""
-        seq_lens = [target_hidden.shape[0]] if seq_lens is None else list(seq_lens)
+        ``seq_lens`` (default: one sequence), each attended causally within itself. Batched:
+        target_hidden [N, T, H], next_tokens / positions [N, T] -> [N, T, H]."""
+        if target_hidden.dim() == 3:
+            seq_lens = None
+        else:
+            seq_lens = [target_hidden.shape[0]] if seq_lens is None else list(seq_lens)
         dtype = self.norm.weight.dtype
         e = F.embedding(next_tokens, self._require_shared().embed_weight).to(dtype)
         x = target_hidden.to(dtype)

@@ -154,6 +154,22 @@ class TargetAdapter:
         return TargetFeatures(context, final)
 
 
+def pad_right(tensors: Sequence[torch.Tensor], value: float = 0) -> torch.Tensor:
+    """[len_i, ...] tensors as one [N, max len, ...] tensor, padded at the end with ``value``."""
+    return torch.nn.utils.rnn.pad_sequence(list(tensors), batch_first=True, padding_value=value)
+
+
+def padded_batch(input_ids: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token sequences [S_i] as right-padded ids [N, S] and their attention mask (None when no
+    sequence is padded). Right padding changes no real row of a causal model: row t attends
+    to rows <= t, all real, at positions 0..t as in a forward of that sequence alone."""
+    ids = pad_right(input_ids)
+    lens = torch.tensor([t.numel() for t in input_ids], device=ids.device)
+    if bool((lens == ids.shape[1]).all()):
+        return ids, None
+    return ids, (torch.arange(ids.shape[1], device=ids.device) < lens[:, None]).long()
+
+
 def load_target_config(target_dir: str | Path) -> dict:
     """The target's config.json as a dict (text_config flattened for multimodal configs)."""
     import json

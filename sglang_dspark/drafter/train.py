@@ -6,9 +6,14 @@
 Data: JSONL token sequences with a loss mask on the response (format in ``data.py``).
 
 Each optimizer step takes ``global_batch_size`` sequences (split over ranks), places up to
-``num_anchors`` random anchors per sequence, runs the target once per sequence (context
-features + final hidden state) and the drafter once per micro-batch on all blocks packed
-together. Loss: ``loss.py``. The loss normaliser is the global sum of position weights, and
+``num_anchors`` random anchors per sequence and, per micro-batch, runs the target once over
+the micro-batch's sequences (right-padded; context features + final hidden state) and the
+drafter once over every block (batched ``BlockLayout``: a block attends to its own sequence's
+rows only). The vocabulary terms run a chunk of ``loss_chunk_rows`` LM-head rows at a time,
+each chunk's backward into the drafter's hidden states before the next (the target's logits
+for a chunk are made inside it), so no [rows, V] tensor of a whole micro-batch exists and
+micro-batches of 32-128 sequences fit. Nothing in a step waits on the device but the one
+read of the step's statistics at its end. Loss: ``loss.py``. The loss normaliser is the global sum of position weights, and
 gradients are summed over ranks, so N ranks compute the same update as one.
 Anchors and data order are functions of (seed, epoch, sample index) only: a resumed run
 replays exactly what an uninterrupted one would have done.
@@ -27,6 +32,7 @@ os.replace, so a kill -9 loses at most the steps since the last one); a rerun wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -68,7 +74,7 @@ from .loss import (
     tv_ce,
 )
 from .model import BlockLayout, DSparkDrafter, init_weights
-from .target import TargetAdapter, TargetFeatures, load_target_config
+from .target import TargetAdapter, TargetFeatures, load_target_config, pad_right, padded_batch
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +138,9 @@ class TrainConfig:
     # vocabulary as one bucket, instead of the target's full logits every step (loss.py).
     # 0 = full logits. A step then runs no target LM head and no target softmax.
     target_topk: int = 0
+    # LM-head rows (blocks x gamma) per chunk of the vocabulary losses: bounds the
+    # [rows, V] logits alive at once (draft, target and gradient). 0 = one chunk.
+    loss_chunk_rows: int = 8192
     precision: str = "auto"  # auto (bf16 autocast where the device has bf16), bf16, fp32
     # Where the target and the drafter run: auto (the local CUDA device when torch sees one,
     # cuda:LOCAL_RANK under torchrun; else cpu), cpu, cuda or cuda:N. Data order, anchors and
@@ -141,7 +150,14 @@ class TrainConfig:
     # Keep each sequence's target features (context + final hidden, in target_dtype) in
     # memory after its first use, so epochs after the first skip the target's forward.
     # Capped at this many GiB (0 = off); sequences beyond the cap are recomputed each time.
+    # On the training device (GPU memory under CUDA). Which sequences it holds is fixed up
+    # front (length-sorted groups of target_batch_size, in that order, while they fit), and
+    # a cached sequence's features are computed with its group, so they do not depend on
+    # the step that first needed them: a resumed run is bit-exact with an uninterrupted one.
     feature_cache_gb: float = 8.0
+    # Sequences per target forward when filling the cache (one length-sorted group); the
+    # sequences the cache cannot hold run in one forward per micro-batch.
+    target_batch_size: int = 32
     # Directory of target features on disk shared by runs against the same target
     # (feature_store.py): later runs, epochs and ablation arms skip the target's forward.
     feature_store: str | None = None
@@ -221,6 +237,31 @@ def warmup_cosine(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
 
 
 # ---------------------------------------------------------------------------- trainer
+class PhaseTimer:
+    """Seconds per phase of the steps it is attached to (``trainer.timer = PhaseTimer(dev)``):
+    target (features), drafter (backbone forward and backward), loss (vocabulary terms,
+    forward and backward), optimizer (reduce, clip, step). The device is synchronised at each
+    boundary, which costs time of its own: for benchmarks (``benchmarks/train_step.py``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
 def resolve_device(name: str) -> torch.device:
     """``TrainConfig.device`` as a torch device: auto = the local CUDA device when torch sees
     one (``LOCAL_RANK`` under torchrun), else the CPU; a bare ``cuda`` also means the local
@@ -251,9 +292,15 @@ def resolve_device(name: str) -> torch.device:
 
 def to_device(obj: Any, device: torch.device) -> Any:
     """Every tensor of ``obj`` (a tensor, a dataclass of them, nested) on ``device``; other
-    fields unchanged. A no-op for tensors already there (the CPU path copies nothing)."""
+    fields unchanged. A no-op for tensors already there (the CPU path copies nothing). CPU
+    tensors go to a GPU through pinned memory, asynchronously: a copy from pageable memory
+    would wait for the GPU's queued work first (a hidden sync per tensor)."""
     if isinstance(obj, torch.Tensor):
+        if device.type == "cuda" and obj.device.type == "cpu":
+            return obj.pin_memory().to(device, non_blocking=True)
         return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(to_device(t, device) for t in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         moved = {f.name: to_device(getattr(obj, f.name), device)
                  for f in dataclasses.fields(obj) if f.init}  # fmt: skip
@@ -311,15 +358,23 @@ def _use_bf16(precision: str, device: torch.device | None = None) -> bool:
 
 @dataclass
 class _MicroBatch:
-    """One packed drafter call: every block of a few sequences."""
+    """One batched drafter call: every block of a few sequences.
 
-    context: torch.Tensor  # [S_total, m*H] target features
-    layout: BlockLayout
+    The drafter returns [N, A, gamma, H]; ``rows`` picks the B real blocks out of its N*A
+    (sequence by sequence: full-loss blocks, then dense ones); ``full`` indexes the full-loss
+    blocks among the B. Index tensors are built on the CPU, so nothing here syncs the device.
+    """
+
+    context: torch.Tensor  # [N, S, m*H] target features, right-padded
+    layout: BlockLayout  # batched: [N, A, gamma]
+    rows: torch.Tensor  # [B] real blocks in the flattened N*A
+    full: torch.Tensor  # [B_full] full-loss blocks among the B
     labels: torch.Tensor  # [B, gamma]
     prev_tokens: torch.Tensor  # [B, gamma]
     valid: torch.Tensor  # [B, gamma]
-    is_full: torch.Tensor  # [B] bool: full loss (TV/CE/CONF) vs dense MSE only
-    target_logits: torch.Tensor | TargetTopK | None  # [B_full, gamma, V] (or [.., k] top-k)
+    # The target at each full block's positions: its final hidden state [B_full, gamma, H]
+    # (logits made chunk by chunk in the loss) or its top-k ([B_full, gamma, k]).
+    target: torch.Tensor | TargetTopK | None
     target_hidden: torch.Tensor | None  # [B, gamma, H] (only with the MSE term)
 
 
@@ -413,13 +468,15 @@ class Trainer:
         self.bf16 = _use_bf16(cfg.precision, self.device)
         self.lm_head_budget = cfg.global_batch_size * cfg.num_anchors * cfg.block_size
         self._gram = LogitGram(self.target.lm_head_weight) if cfg.mse_weight else None
-        self._features: dict[int, TargetFeatures] = {}
-        self._feature_bytes = 0
+        self._features_cache: dict[int, TargetFeatures] = {}
+        self._groups: list[list[int]] | None = None  # cacheable groups (see feature_cache_gb)
+        self._group_of: dict[int, int] = {}
         self._store = None
         if cfg.feature_store:
             kind = type(self).__name__ + (f"+top{cfg.target_topk}" if cfg.target_topk else "")
             key = store_key(cfg.target, cfg.target_dtype, self._target_layer_ids(), kind)
             self._store = FeatureStore(cfg.feature_store, key)
+        self.timer: PhaseTimer | None = None
         self.step = 0
         if cfg.resume and self.ckpt_path.is_file():
             self._resume()
@@ -581,108 +638,184 @@ class Trainer:
         self, items: Sequence[tuple[TokenSequence, BlockTargets, BlockTargets]], *,
         exact: bool = False,
     ):  # fmt: skip
-        """Run the target and pack every block of ``items`` into one drafter layout: each
-        sequence's full-loss blocks, then its dense (MSE-only) blocks. ``exact``: the
-        target's full logits even when training on its top-k (held-out evaluation)."""
-        ctx, finals, ctx_pos, lo, hi, tpos, full_tpos, is_full = [], [], [], [], [], [], [], []
-        top_ids, top_logp = [], []
-        targets: list[BlockTargets] = []
-        offset = 0
-        for seq, bt, dense in items:
-            if bt.anchors.numel() + dense.anchors.numel() == 0:
-                continue
-            feats = self._target_features(seq)
-            S = seq.input_ids.numel()
-            ctx.append(feats.context)
-            finals.append(feats.final_hidden)
-            if self.cfg.target_topk:
-                top_ids.append(feats.topk_ids)
-                top_logp.append(feats.topk_logp)
-            ctx_pos.append(torch.arange(S))
-            for part, full in ((bt, True), (dense, False)):
-                if part.anchors.numel() == 0:
-                    continue
-                lo.append(torch.full_like(part.anchors, offset))
-                hi.append(offset + part.anchors)  # context strictly before the anchor
-                tpos.append(offset + part.target_pos)
-                if full:
-                    full_tpos.append(offset + part.target_pos)
-                is_full.append(torch.full_like(part.anchors, full, dtype=torch.bool))
-                targets.append(part)
-            offset += S
-        if not targets:
+        """Run the target over ``items``' sequences (one batched forward for those not cached)
+        and lay out every block for one batched drafter call: per sequence its full-loss
+        blocks, then its dense (MSE-only) ones. ``exact``: the target's full distribution
+        even when training on its top-k (held-out evaluation)."""
+        items = [it for it in items if it[1].anchors.numel() + it[2].anchors.numel()]
+        if not items:
             return None
+        gamma = self.draft_config.block_size
+        feats = self._features([seq for seq, _, _ in items])
+        counts = [bt.anchors.numel() + dense.anchors.numel() for _, bt, dense in items]
+        N, A = len(items), max(counts)
+        block_ids = torch.full((N, A, gamma), self.draft_config.mask_token_id)
+        ctx_hi = torch.zeros(N, A, dtype=torch.long)  # padding blocks see no context
+        targets: list[BlockTargets] = []
+        seq_of, is_full = [], []
+        for i, (_, bt, dense) in enumerate(items):
+            parts = [p for p in (bt, dense) if p.anchors.numel()]
+            anchors = torch.cat([p.anchors for p in parts])
+            block_ids[i, : anchors.numel(), 0] = torch.cat([p.prev_tokens[:, 0] for p in parts])
+            ctx_hi[i, : anchors.numel()] = anchors  # context strictly before the anchor
+            targets += parts
+            seq_of.append(torch.full((anchors.numel(),), i))
+            is_full += [torch.full_like(p.anchors, p is bt, dtype=torch.bool) for p in parts]
         cat = lambda name: torch.cat([getattr(t, name) for t in targets])
-        anchors_tok = cat("prev_tokens")[:, 0]
-        block_ids = torch.full(
-            (anchors_tok.numel(), self.draft_config.block_size), self.draft_config.mask_token_id
-        )
-        block_ids[:, 0] = anchors_tok  # [anchor, mask x (gamma-1)]
-        anchors = cat("anchors")
+        seq_of, is_full = torch.cat(seq_of), torch.cat(is_full)
+        rows = (torch.arange(N)[:, None] * A + torch.arange(A)).flatten()
+        rows = rows[(torch.arange(A) < torch.tensor(counts)[:, None]).flatten()]
+        anchors_all = (ctx_hi.flatten()[rows])
+        positions = torch.zeros(N, A, gamma, dtype=torch.long)
+        positions.view(N * A, gamma)[rows] = anchors_all[:, None] + torch.arange(gamma)
+        context = pad_right([f.context for f in feats])
+        S = context.shape[1]
         layout = BlockLayout(
             block_ids=block_ids,
-            positions=anchors[:, None] + torch.arange(self.draft_config.block_size),
-            ctx_positions=torch.cat(ctx_pos),
-            ctx_lo=torch.cat(lo),
-            ctx_hi=torch.cat(hi),
+            positions=positions,
+            ctx_positions=torch.arange(S).expand(N, S),
+            ctx_lo=torch.zeros(N, A, dtype=torch.long),
+            ctx_hi=ctx_hi,
         )
-        final = torch.cat(finals)
-        target_logits = None
-        if full_tpos and self.cfg.target_topk and not exact:
-            rows = torch.cat(full_tpos)
-            target_logits = TargetTopK(torch.cat(top_ids)[rows], torch.cat(top_logp)[rows])
-        elif full_tpos:
-            with torch.no_grad():  # hidden-state communication: LM head only where needed
-                target_logits = self.target.logits(final[torch.cat(full_tpos)])
+        full = is_full.nonzero().squeeze(-1)  # CPU
+        tpos = cat("target_pos")  # [B, gamma] positions within each block's sequence
+        need_final = bool(full.numel()) and (exact or not self.cfg.target_topk)
+        final = pad_right([f.final_hidden for f in feats]) if need_final or self.cfg.mse_weight else None
+        dev = context.device  # the features' rows of each block's target positions
+        at = lambda t: to_device((seq_of[:, None], tpos) if t is None else (
+            seq_of[t][:, None], tpos[t]), dev)  # fmt: skip
+        target = None
+        if full.numel() and self.cfg.target_topk and not exact:
+            ids = pad_right([f.topk_ids for f in feats])
+            logp = pad_right([f.topk_logp for f in feats])
+            target = TargetTopK(ids[at(full)], logp[at(full)])
+        elif full.numel():
+            target = final[at(full)]
         return _MicroBatch(
-            context=torch.cat(ctx),
+            context=context,
             layout=layout,
+            rows=rows,
+            full=full,
             labels=cat("labels"),
             prev_tokens=cat("prev_tokens"),
             valid=cat("valid"),
-            is_full=torch.cat(is_full),
-            target_logits=target_logits,
-            target_hidden=final[torch.cat(tpos)] if self.cfg.mse_weight else None,
+            target=target,
+            target_hidden=final[at(None)] if self.cfg.mse_weight else None,
         )
 
-    def _target_features(self, seq: TokenSequence) -> TargetFeatures:
-        """The target is frozen, so a sequence's features never change: compute them once.
+    # -------------------------------------------------------------- target features
+    def _feature_row_bytes(self) -> int:
+        """Bytes of one token's cached features (context, final hidden, top-k)."""
+        width = len(self._target_layer_ids()) * self.draft_config.hidden_size
+        width += self.draft_config.hidden_size
+        size = torch.empty((), dtype=getattr(torch, self.cfg.target_dtype)).element_size()
+        return width * size + self.cfg.target_topk * 8
+
+    def _plan_cache(self) -> None:
+        """The cacheable groups: training sequences sorted by length (then index), in groups
+        of target_batch_size, admitted in that order while the budget holds them. A function
+        of the data and the config only."""
+        order = sorted(range(len(self.sequences)),
+                       key=lambda i: (self.sequences[i].input_ids.numel(), i))  # fmt: skip
+        budget, row = self.cfg.feature_cache_gb * 2**30, self._feature_row_bytes()
+        g, used = max(1, self.cfg.target_batch_size), 0
+        self._groups = []
+        for start in range(0, len(order), g):
+            group = order[start : start + g]
+            size = row * sum(self.sequences[i].input_ids.numel() for i in group)
+            if used + size > budget:
+                break
+            used += size
+            for i in group:
+                self._group_of[i] = len(self._groups)
+            self._groups.append(group)
+        if self.dist.main and self.cfg.feature_cache_gb:
+            logger.info("feature cache: %d of %d sequences fit in %.1f GiB on %s (%.2f GiB)",
+                        len(self._group_of), len(self.sequences), self.cfg.feature_cache_gb,
+                        self.device, used / 2**30)  # fmt: skip
+
+    def _features(self, seqs: Sequence[TokenSequence]) -> list[TargetFeatures]:
+        """Each sequence's target features on the training device: from the in-memory cache,
+        else the feature store, else the target (the target is frozen, so a sequence's
+        features never change). A cacheable sequence is computed with its whole group (one
+        forward) and the group cached; the rest in one forward over those of this call.
         Held-out sequences (index <= _EVAL_INDEX) keep theirs in a cache of their own."""
-        if seq.index <= _EVAL_INDEX:
-            feats = self._eval_features.get(seq.index)
-            if feats is None:
-                feats = self._compute_features(seq.input_ids)
-                if self.cfg.feature_cache_gb:
-                    self._eval_features[seq.index] = feats.clone()
-            return feats
-        cached = self._features.get(seq.index)
-        if cached is not None:
-            return cached
+        if self._groups is None:
+            self._plan_cache()
+        out: list[TargetFeatures | None] = []
+        for seq in seqs:
+            cache = self._eval_features if seq.index <= _EVAL_INDEX else self._features_cache
+            out.append(cache.get(seq.index))
         if self._store is not None:  # a stored sequence comes back on the CPU
-            feats = to_device(self._store.get(seq.input_ids, self._compute_features), self.device)
-        else:
-            feats = self._compute_features(seq.input_ids)
-        size = feats.nbytes()
-        if seq.index >= 0 and self._feature_bytes + size <= self.cfg.feature_cache_gb * 2**30:
-            feats = feats.clone()
-            self._features[seq.index] = feats
-            self._feature_bytes += size
-        return feats
+            for i, seq in enumerate(seqs):
+                if out[i] is None:
+                    f = self._store.load(seq.input_ids)
+                    if f is not None:
+                        out[i] = to_device(f, self.device)
+                        self._cache_features(seq, out[i])
+        groups = sorted({self._group_of[s.index] for s, f in zip(seqs, out)
+                         if f is None and s.index in self._group_of})  # fmt: skip
+        for g in groups:
+            members = [self.sequences[i] for i in self._groups[g]]
+            for seq, f in zip(members, self._compute_features_batch([m.input_ids for m in members])):
+                self._cache_features(seq, f)
+                if self._store is not None:
+                    self._store.save(seq.input_ids, f)
+        for i, seq in enumerate(seqs):
+            if out[i] is None and seq.index in self._group_of:
+                out[i] = self._features_cache[seq.index]
+        rest = [i for i, f in enumerate(out) if f is None]
+        if rest:
+            for i, f in zip(rest, self._compute_features_batch([seqs[i].input_ids for i in rest])):
+                out[i] = f
+                if self._store is not None:
+                    self._store.save(seqs[i].input_ids, f)
+                self._cache_features(seqs[i], f)
+        return out  # type: ignore[return-value]
+
+    def _cache_features(self, seq: TokenSequence, feats: TargetFeatures) -> None:
+        """Keep a copy (own storage, not the batch's) of a held-out or cacheable sequence's."""
+        if seq.index <= _EVAL_INDEX:
+            if self.cfg.feature_cache_gb:
+                self._eval_features[seq.index] = feats.clone()
+        elif seq.index in self._group_of:
+            self._features_cache[seq.index] = feats.clone()
+
+    def _timed(self, phase: str):
+        return self.timer(phase) if self.timer is not None else contextlib.nullcontext()
+
+    def _target_forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> TargetFeatures:
+        """The target over right-padded ids [N, S] (mask [N, S] or None): features [N, S, ..]."""
+        return self.target.features(ids, attention_mask=mask)
+
+    @torch.no_grad()
+    def _compute_features_batch(self, input_ids: Sequence[torch.Tensor]) -> list[TargetFeatures]:
+        """One target forward over these sequences (right-padded), split back per sequence
+        (views of the batch, real rows only), with the top-k when the loss uses it."""
+        ids, mask = padded_batch(input_ids)
+        lens = [t.numel() for t in input_ids]
+        with self._timed("target"):
+            batch = self._target_forward(to_device(ids, self.device), to_device(mask, self.device))
+            out = [
+                TargetFeatures(batch.context[i, :n], batch.final_hidden[i, :n])
+                for i, n in enumerate(lens)
+            ]
+            if self.cfg.target_topk:
+                real = torch.cat([batch.final_hidden[i, :n] for i, n in enumerate(lens)])
+                top = TargetTopK.from_logits(self.target.logits(real), self.cfg.target_topk)
+                for f, tid, tlp in zip(out, top.ids.split(lens), top.logp.split(lens)):
+                    f.topk_ids, f.topk_logp = tid, tlp
+        return out
 
     def _compute_features(self, input_ids: torch.Tensor) -> TargetFeatures:
-        feats = self.target.features(input_ids.to(self.device))
-        if self.cfg.target_topk:
-            with torch.no_grad():
-                top = TargetTopK.from_logits(
-                    self.target.logits(feats.final_hidden), self.cfg.target_topk
-                )
-            feats.topk_ids, feats.topk_logp = top.ids, top.logp
-        return feats
+        """One sequence's features alone (the per-sequence reference of the batched path)."""
+        return self._compute_features_batch([input_ids])[0]
 
+    # -------------------------------------------------------------- one step
     def train_step(self) -> StepStats:
         cfg = self.cfg
         plan = self._plan(self.step)
-        totals_w = self.dist.all_reduce_(self._weight_totals(plan)).to(self.device)
+        totals_w = to_device(self.dist.all_reduce_(self._weight_totals(plan)), self.device)
         weight_total, mse_weight_total = totals_w[0], totals_w[1]
         totals = LossSums.zeros(self.device)
         tokens = 0
@@ -693,25 +826,24 @@ class Trainer:
             if mb is None:
                 continue
             mb = to_device(mb, self.device)
-            sums = self._micro_batch_loss(mb)
-            loss = combine(sums, cfg.loss_weights, weight_total, mse_weight_total)
-            loss.backward()
-            totals = totals + sums.detached()
-        for p in self.params:  # sum gradients over ranks (the loss is globally normalised)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self.dist.all_reduce_(p.grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            totals = totals + self._forward_backward(mb, weight_total, mse_weight_total)
+        with self._timed("optimizer"):
+            for p in self.params:  # sum gradients over ranks (the loss is globally normalised)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self.dist.all_reduce_(p.grad)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         counts = torch.tensor(
             [float(tokens), float(self._lm_head_positions(plan))], device=self.device
         )
         stats = self.dist.all_reduce_(torch.cat([totals.as_tensor(), counts]))
-        ce, tv, conf, weight, accept, count, mse, mse_weight, tok, lm_rows = stats.tolist()
+        stats = torch.cat([stats, grad_norm.detach().float().reshape(1)]).tolist()  # one sync
+        ce, tv, conf, weight, accept, count, mse, mse_weight, tok, lm_rows, norm = stats
         denom = max(weight, 1e-6)
         lw = cfg.loss_weights
         per_term = {"ce": ce / denom, "tv": tv / denom, "conf": conf / denom}
@@ -725,38 +857,96 @@ class Trainer:
             accept=accept / max(count, 1.0),
             tokens=int(tok),
             lr=lr,
-            grad_norm=float(grad_norm),
+            grad_norm=norm,
             per_term=per_term,
             lm_head_positions=int(lm_rows),
         )
 
-    def _micro_batch_loss(self, mb: _MicroBatch) -> LossSums:
-        cfg = self.cfg
-        full = mb.is_full
+    def _loss_chunks(self, n_rows: int, rows_per_item: int) -> list[slice]:
+        """Slices of ``n_rows`` items (blocks, or MTP positions) of ``rows_per_item`` LM-head
+        rows each, at most ``loss_chunk_rows`` rows a slice (0: one slice)."""
+        step = n_rows if not self.cfg.loss_chunk_rows else max(
+            1, self.cfg.loss_chunk_rows // rows_per_item)  # fmt: skip
+        return [slice(i, i + step) for i in range(0, n_rows, max(step, 1))]
+
+    def _target_distribution(self, target, sl: slice):
+        """The target at a chunk of full blocks: logits from its final hidden state (made
+        here, no gradient) or its top-k."""
+        if isinstance(target, TargetTopK):
+            return target[sl]
+        with torch.no_grad():
+            return self.target.logits(target[sl])
+
+    def _head_sums(self, h: torch.Tensor, mb: _MicroBatch, sl: slice) -> LossSums:
+        """TV / CE / CONF sums over a chunk ``sl`` of the full-loss blocks; h [B, gamma, H]."""
+        idx = mb.full[sl]
+        prev = mb.prev_tokens[idx]
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            draft_logits = self.drafter.draft_logits(h[idx], prev)
+            conf_logits = self.drafter.confidence_logits(h[idx], prev)
+        return loss_sums(
+            draft_logits,
+            self._target_distribution(mb.target, sl),
+            mb.labels[idx],
+            mb.valid[idx],
+            conf_logits,
+            decay=self.cfg.decay,
+        )
+
+    def _block_hidden(self, mb: _MicroBatch) -> torch.Tensor:
+        """h_1..h_gamma [B, gamma, H] of the micro-batch's real blocks."""
+        with self._timed("drafter"), torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                                     enabled=self.bf16):  # fmt: skip
             hidden = self.drafter(mb.context, mb.layout)
+            return hidden.flatten(0, 1)[mb.rows]
+
+    def _forward_backward(
+        self, mb: _MicroBatch, weight_total: torch.Tensor, mse_weight_total: torch.Tensor
+    ) -> LossSums:
+        """The micro-batch's loss sums, with their gradient accumulated into the drafter:
+        the backbone once, then the vocabulary terms a chunk at a time (each chunk's
+        backward stops at the backbone's output), then one backward through the backbone.
+        The loss is linear in the sums, so this is the gradient of the whole at once."""
+        cfg = self.cfg
+        hidden = self._block_hidden(mb)
+        h = hidden.detach().requires_grad_()
+        totals = LossSums.zeros(self.device)
+        with self._timed("loss"):
+            for sl in self._loss_chunks(mb.full.numel(), self.draft_config.block_size):
+                if mb.target is None:
+                    break
+                sums = self._head_sums(h, mb, sl)
+                combine(sums, cfg.loss_weights, weight_total, mse_weight_total).backward()
+                totals = totals + sums.detached()
+        if mb.target_hidden is not None:
+            head = self.drafter.markov_head
+            codes = head.block_codes(mb.prev_tokens, h)
+            mse = self._gram.mse(h.float() - mb.target_hidden.float(), codes, head.markov_w2.weight)
+            wv = position_weights(mse.shape[1], cfg.decay, mse.device) * mb.valid.float()
+            sums = LossSums.zeros(self.device)
+            sums.mse, sums.mse_weight = (mse * wv).sum(), wv.sum()
+            combine(sums, cfg.loss_weights, weight_total, mse_weight_total).backward()
+            totals = totals + sums.detached()
+        if h.grad is not None:
+            with self._timed("drafter"):
+                hidden.backward(h.grad)
+        return totals
+
+    def _micro_batch_loss(self, mb: _MicroBatch) -> LossSums:
+        """The micro-batch's loss sums in one piece, with their graph (no backward run): the
+        reference the chunked ``_forward_backward`` equals."""
+        hidden = self._block_hidden(mb)
         sums = LossSums.zeros(self.device)
-        if mb.target_logits is not None:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                draft_logits = self.drafter.draft_logits(hidden[full], mb.prev_tokens[full])
-                conf_logits = self.drafter.confidence_logits(hidden[full], mb.prev_tokens[full])
-            sums = loss_sums(
-                draft_logits,
-                mb.target_logits,
-                mb.labels[full],
-                mb.valid[full],
-                conf_logits,
-                decay=cfg.decay,
-            )
+        if mb.target is not None:
+            sums = self._head_sums(hidden, mb, slice(None))
         if mb.target_hidden is not None:
             head = self.drafter.markov_head
             codes = head.block_codes(mb.prev_tokens, hidden)
             mse = self._gram.mse(
                 hidden.float() - mb.target_hidden.float(), codes, head.markov_w2.weight
             )
-            wv = position_weights(mse.shape[1], cfg.decay, mse.device) * mb.valid.float()
-            sums.mse = (mse * wv).sum()
-            sums.mse_weight = wv.sum()
+            wv = position_weights(mse.shape[1], self.cfg.decay, mse.device) * mb.valid.float()
+            sums.mse, sums.mse_weight = (mse * wv).sum(), wv.sum()
         return sums
 
     # -------------------------------------------------------------- held-out evaluation
@@ -784,13 +974,18 @@ class Trainer:
     def _position_accept(self, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per draft position: the sum of 1 - TV/2 (teacher-forced, exact target logits)
         over this micro-batch's supervised positions, and their number."""
-        full = mb.is_full
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            hidden = self.drafter(mb.context, mb.layout)
-            draft_logits = self.drafter.draft_logits(hidden[full], mb.prev_tokens[full])
-        tv, _ = tv_ce(draft_logits, mb.target_logits, mb.labels[full])
-        valid = mb.valid[full].float()
-        return ((1.0 - 0.5 * tv) * valid).sum(0), valid.sum(0)
+        hidden = self._block_hidden(mb)
+        gamma = self.draft_config.block_size
+        acc, cnt = hidden.new_zeros(gamma, dtype=torch.float32), hidden.new_zeros(gamma, dtype=torch.float32)
+        for sl in self._loss_chunks(mb.full.numel(), gamma):
+            idx = mb.full[sl]
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                draft_logits = self.drafter.draft_logits(hidden[idx], mb.prev_tokens[idx])
+            tv, _ = tv_ce(draft_logits, self._target_distribution(mb.target, sl), mb.labels[idx])
+            valid = mb.valid[idx].float()
+            acc += ((1.0 - 0.5 * tv) * valid).sum(0)
+            cnt += valid.sum(0)
+        return acc, cnt
 
     def evaluate(self) -> dict[str, Any]:
         """Held-out acceptance per draft position (see ``eval_data``) and the accept length

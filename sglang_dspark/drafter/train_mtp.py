@@ -31,10 +31,10 @@ import torch.distributed as dist
 from .checkpoint import load_mtp_draft, save_mtp_draft
 from .config import DraftConfigError
 from .data import TokenSequence, _stable_seed, anchor_candidates
-from .loss import LossSums, loss_sums
+from .loss import LossSums, combine, loss_sums
 from .mtp import MtpDraftConfig, MtpDrafter
-from .target import TargetFeatures
-from .train import Trainer
+from .target import TargetFeatures, pad_right
+from .train import Trainer, to_device
 
 MtpPlan = list[tuple[TokenSequence, torch.Tensor]]  # (sequence, sorted supervised positions i)
 
@@ -58,15 +58,14 @@ def sample_mtp_positions(loss_mask: torch.Tensor, num_positions: int, seed: int)
 
 @dataclass
 class _MtpMicroBatch:
-    """One packed drafter call over a few sequences (rows 0..max(P) of each)."""
+    """One batched drafter call over a few sequences (rows 0..max(P) of each, right-padded)."""
 
-    hidden: torch.Tensor  # [N, H] h_i
-    next_tokens: torch.Tensor  # [N] x_{i+1}
-    positions: torch.Tensor  # [N] i
-    seq_lens: list[int]
-    rows: torch.Tensor  # [R] packed row index of each supervised position
+    hidden: torch.Tensor  # [N, T, H] h_i
+    next_tokens: torch.Tensor  # [N, T] x_{i+1}
+    positions: torch.Tensor  # [N, T] i
+    rows: torch.Tensor  # [R] supervised positions in the flattened N*T
     labels: torch.Tensor  # [R] x_{i+2}
-    target_logits: torch.Tensor  # [R, V] h_{i+1} W_lm^T
+    target: torch.Tensor  # [R, H] h_{i+1} (the target's logits are made chunk by chunk)
 
 
 class MtpTrainer(Trainer):
@@ -112,13 +111,12 @@ class MtpTrainer(Trainer):
         # hidden state, which _compute_features takes without any capture hook.
         return [0]
 
-    @torch.no_grad()
-    def _compute_features(self, input_ids: torch.Tensor) -> TargetFeatures:
+    def _target_forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> TargetFeatures:
         """The target's final normed hidden state only (what SGLang hands an EAGLE draft
-        with use_aux_hidden_state false); context is empty [S, 0]."""
-        out = self.target.base(input_ids=input_ids[None].to(self.device), use_cache=False)
-        final = out.last_hidden_state[0]
-        return TargetFeatures(final.new_zeros(final.shape[0], 0), final)
+        with use_aux_hidden_state false); context is empty [N, S, 0]."""
+        final = self.target.base(input_ids=ids, attention_mask=mask, use_cache=False)
+        final = final.last_hidden_state
+        return TargetFeatures(final.new_zeros(*final.shape[:2], 0), final)
 
     def _new_drafter(self) -> MtpDrafter:
         return MtpDrafter(self.draft_config)
@@ -150,44 +148,56 @@ class MtpTrainer(Trainer):
         return sum(pos.numel() for _, pos in plan)
 
     def _micro_batch(self, items: Sequence[tuple[TokenSequence, torch.Tensor]]):
-        hidden, tokens, positions, lens, rows, labels, teacher = [], [], [], [], [], [], []
-        offset = 0
-        for seq, pos in items:
-            if pos.numel() == 0:
-                continue
-            final = self._target_features(seq).final_hidden
-            n = int(pos[-1]) + 1  # rows 0..max(P)
-            hidden.append(final[:n])
-            tokens.append(seq.input_ids[1 : n + 1])
-            positions.append(torch.arange(n))
-            lens.append(n)
-            rows.append(offset + pos)
-            labels.append(seq.input_ids[pos + 2])
-            teacher.append(final[pos + 1])
-            offset += n
-        if not lens:
+        items = [(seq, pos) for seq, pos in items if pos.numel()]
+        if not items:
             return None
-        with torch.no_grad():  # hidden-state communication: LM head only where needed
-            target_logits = self.target.logits(torch.cat(teacher))
+        feats = self._features([seq for seq, _ in items])
+        T = max(int(pos[-1]) + 1 for _, pos in items)  # rows 0..max(P) (CPU tensors)
+        final = pad_right([f.final_hidden for f in feats])  # [N, S, H]
+        seq_of = torch.cat([torch.full_like(pos, i) for i, (_, pos) in enumerate(items)])
+        pos = torch.cat([pos for _, pos in items])
+        dev = final.device
         return _MtpMicroBatch(
-            hidden=torch.cat(hidden),
-            next_tokens=torch.cat(tokens),
-            positions=torch.cat(positions),
-            seq_lens=lens,
-            rows=torch.cat(rows),
-            labels=torch.cat(labels),
-            target_logits=target_logits,
+            hidden=final[:, :T],  # causal: rows after max(P) cannot change P's rows
+            next_tokens=pad_right([seq.input_ids[1 : T + 1] for seq, _ in items]),
+            positions=torch.arange(T).expand(len(items), T),
+            rows=seq_of * T + pos,
+            labels=torch.cat([seq.input_ids[p + 2] for seq, p in items]),
+            target=final[to_device((seq_of, pos + 1), dev)],
         )
 
-    def _micro_batch_loss(self, mb: _MtpMicroBatch) -> LossSums:
+    def _position_hidden(self, mb: _MtpMicroBatch) -> torch.Tensor:
+        with self._timed("drafter"), torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                                     enabled=self.bf16):  # fmt: skip
+            out = self.drafter(mb.hidden, mb.next_tokens, mb.positions)
+            return out.flatten(0, 1)[mb.rows]  # [R, H]
+
+    def _head_sums(self, h: torch.Tensor, mb: _MtpMicroBatch, sl: slice) -> LossSums:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            out = self.drafter(mb.hidden, mb.next_tokens, mb.positions, mb.seq_lens)
-            draft_logits = self.drafter.logits(out[mb.rows])
-        one = torch.ones(mb.labels.shape[0], 1, dtype=torch.bool, device=mb.labels.device)
+            draft_logits = self.drafter.logits(h[sl])
+        with torch.no_grad():
+            target_logits = self.target.logits(mb.target[sl])
+        labels = mb.labels[sl]
+        one = torch.ones(labels.shape[0], 1, dtype=torch.bool, device=labels.device)
         return loss_sums(
-            draft_logits[:, None], mb.target_logits[:, None], mb.labels[:, None], one, None,
-            decay=0.0,
-        )  # fmt: skip
+            draft_logits[:, None], target_logits[:, None], labels[:, None], one, None, decay=0.0
+        )
+
+    def _forward_backward(self, mb: _MtpMicroBatch, weight_total, mse_weight_total) -> LossSums:
+        hidden = self._position_hidden(mb)
+        h = hidden.detach().requires_grad_()
+        totals = LossSums.zeros(self.device)
+        with self._timed("loss"):
+            for sl in self._loss_chunks(mb.rows.numel(), 1):
+                sums = self._head_sums(h, mb, sl)
+                combine(sums, self.cfg.loss_weights, weight_total, mse_weight_total).backward()
+                totals = totals + sums.detached()
+        with self._timed("drafter"):
+            hidden.backward(h.grad)
+        return totals
+
+    def _micro_batch_loss(self, mb: _MtpMicroBatch) -> LossSums:
+        return self._head_sums(self._position_hidden(mb), mb, slice(None))
 
     # -------------------------------------------------------------- export
     def export(self) -> Path:
