@@ -1,26 +1,31 @@
 #!/usr/bin/env python3
 """Train the embedded SmolLM2 drafters on one GPU machine that reaches no network.
 
-    python scripts/gpu_recipe.py pack --out .gpu-bundle                    # here, on the CPU
+    python scripts/gpu_recipe.py pack --out .gpu-bundle [--init dspark=DIR ...]   # here
     python scripts/gpu_recipe.py run --bundle BUNDLE --out OUT             # there, on the GPU
     python scripts/gpu_recipe.py unpack --parts DIR --out RUNS             # here, afterwards
 
 Such a machine (our device tool's H200; an air-gapped training box) has torch, transformers,
-safetensors and tqdm, but no SGLang, no `gguf`, no network, no python3.11-doc and another
-Python's stdlib, which our prompt sources read. So `pack` builds the prompts and the prompt-text
-sequences here (deterministic given the seeds), and carries the target as the wheel's Q4_1
-GGUF cut into parts small enough to travel beside the repository (the device tool moves at
-most 64 MiB a call: tree + parts), with the `gguf` wheel; `manifest.json` lists the calls.
+safetensors and tqdm, but no SGLang, no `gguf` and no network. The training data travel in
+the repository tree (recipes/data: the 2.2 M-token T=0.7 responses and the held-out T=1 set),
+so `pack` only bundles what the tree lacks: the target as the wheel's Q4_1 GGUF, the `gguf`
+wheel, the drafters to start from when they are not the shipped ones (`--init ARM=DIR`, e.g.
+the drafters a previous run brought back), and with `--regenerate` the prompts to answer
+anew. The bundle is one tar cut into parts, one part per device call (the device tool carries
+at most 64 MiB a call: tree + part); `manifest.json` (with the last part) lists the calls.
 
-`run` then, in one command: joins and checks the GGUF, installs the carried wheels, converts
-the target, regenerates responses to the prompts with the target on the GPU, and trains each
-arm (default: `dspark` = configs/smollm2-dspark.json, `mtp1` = the MTP-1 baseline, `dflash` =
-DSpark without its Markov bias) on the same data, steps, batch and seed. The step count is
-sized from a short probe so that every arm fits `--budget-s`; each arm also has a time box
-(``--time-limit-s``) as a safety net. After each arm it rewrites OUT/results.tar.part-N
-(at most 7 parts of 15 MiB: the device tool brings back 8 files of 16 MiB) and
-OUT/recipe.json (what ran, times, steps, sha256s), so a command killed at its limit still
-returns the arms that finished. `unpack` joins, checks and extracts them.
+`run` then, in one command: joins and checks the bundle, installs the carried wheels,
+converts the target, and trains each arm (default: `dspark` = configs/smollm2-dspark.json,
+`mtp1` = the MTP-1 baseline, `dflash` = DSpark without its Markov bias) on the same data,
+steps, batch and seed, each from its starting drafter (the shipped one unless `--init` carried
+another, or `--from-scratch`; the optimizer restarts warm-up: a warm restart), with held-out
+curves (`--eval-data`: per-position acceptance on T=1 samples, every `--eval-every` steps).
+Features stay on the GPU (`--feature-cache-gb`). The step count is sized from a short probe
+so that every arm fits `--budget-s`; each arm also has a time box. After each arm it rewrites
+OUT/results.tar.part-N (at most 7 parts of 15 MiB: the device tool brings back 8 files of
+16 MiB) and OUT/recipe.json (what ran, times, steps, held-out accept lengths, sha256s), so a
+command killed at its limit still returns the arms that finished. `unpack` joins, checks and
+extracts them; `pack --init arm=RUNS/arm/draft` carries them into the next run.
 """
 
 from __future__ import annotations
@@ -45,12 +50,15 @@ RESULT_PART_MIB = 15  # under the device tool's 16 MiB per returned file
 MAX_RESULT_PARTS = 7  # + recipe.json = the tool's 8 returned files
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Arms: (training config, extra trainer flags). All share data, steps, batch and seed.
-ARMS: dict[str, tuple[str, list[str]]] = {
-    "dspark": ("configs/smollm2-dspark.json", []),
-    "mtp1": ("configs/smollm2-mtp1.json", []),
-    "dflash": ("configs/smollm2-dspark.json", ["--dflash"]),
+# Arms: (training config, extra trainer flags, shipped drafter it starts from). All share
+# data, steps, batch and seed.
+ARMS: dict[str, tuple[str, list[str], str]] = {
+    "dspark": ("configs/smollm2-dspark.json", [], "sglang_dspark/assets/smollm2-dspark"),
+    "mtp1": ("configs/smollm2-mtp1.json", [], "sglang_dspark/assets/smollm2-mtp1"),
+    "dflash": ("configs/smollm2-dspark.json", ["--dflash"], "sglang_dspark/assets/smollm2-dspark"),
 }
+DATA = "recipes/data/smollm2-regen-t07"
+HELDOUT = "recipes/data/smollm2-heldout-t1"
 
 
 class RecipeError(RuntimeError):
@@ -91,31 +99,35 @@ def tree_mib(repo: Path = REPO) -> float:
     return sum(p.stat().st_size for p in paths if p.is_file()) / MIB
 
 
-def plan_calls(gguf_bytes: int, extra_bytes: int, room_mib: float) -> list[list[int]]:
-    """Split the GGUF into parts so that call k carries part k, and the last call also the
-    prompts and wheels (extra_bytes). Returns [(start, end) byte ranges] per part."""
+def plan_calls(total_bytes: int, room_mib: float) -> list[list[int]]:
+    """Cut ``total_bytes`` into [start, end) ranges of at most ``room_mib`` MiB: one per call."""
     room = int(room_mib * MIB)
-    if room <= extra_bytes:
+    if room <= 0:
         raise RecipeError(
             f"no room to carry anything: the repository tree leaves {room_mib:.1f} MiB of the "
-            f"{CARRY_LIMIT_MIB} MiB per call and the prompts and wheels need "
-            f"{extra_bytes / MIB:.1f}; ignore or remove large untracked files"
+            f"{CARRY_LIMIT_MIB} MiB per call; ignore or remove large untracked files"
         )
-    ranges, start = [], 0
-    while start < gguf_bytes:
-        size = min(room, gguf_bytes - start)
-        ranges.append([start, start + size])
-        start += size
-    if ranges[-1][1] - ranges[-1][0] + extra_bytes > room:  # the last call needs its own room
-        last = ranges.pop()
-        cut = last[0] + (room - extra_bytes)
-        ranges += [[last[0], cut], [cut, last[1]]] if cut > last[0] else [last]
-    return ranges
+    return [[a, min(a + room, total_bytes)] for a in range(0, total_bytes, room)]
+
+
+def parse_init(items: list[str] | None) -> dict[str, Path]:
+    """``ARM=DIR`` pairs: the drafters to start from instead of the shipped ones."""
+    out = {}
+    for item in items or []:
+        arm, sep, path = item.partition("=")
+        if not sep or arm not in ARMS:
+            raise RecipeError(f"--init {item!r}: give ARM=DIR with ARM one of {', '.join(ARMS)}")
+        if not (Path(path) / "config.json").is_file():
+            raise RecipeError(f"--init {item!r}: {path} is not a drafter directory (no "
+                              "config.json); pass the `draft` folder `unpack` wrote")  # fmt: skip
+        out[arm] = Path(path)
+    return out
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
     from sglang_dspark.smollm2 import ensure_smollm2, gguf_path
 
+    init = parse_init(args.init)
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
@@ -124,11 +136,13 @@ def cmd_pack(args: argparse.Namespace) -> int:
     staging.mkdir()
     py = [sys.executable]
     domains = "code,chat,math,writing"
-    _sh([*py, "-m", "sglang_dspark.cli", "data", "prompts", "--out", str(staging / "prompts.jsonl"),
-         "--per-domain", str(args.per_domain), "--seed", str(args.seed), "--domains", domains])  # fmt: skip
-    _sh([*py, str(REPO / "scripts" / "prompt_sequences.py"), "--target", str(ensure_smollm2()),
-         "--out", str(staging / "prompt-seqs.jsonl"), "--per-domain", str(args.prompt_seqs_per_domain),
-         "--seed", "1"])  # fmt: skip
+    if args.regenerate:
+        _sh([*py, "-m", "sglang_dspark.cli", "data", "prompts", "--out",
+             str(staging / "prompts.jsonl"), "--per-domain", str(args.per_domain), "--seed",
+             str(args.seed), "--domains", domains])  # fmt: skip
+        _sh([*py, str(REPO / "scripts" / "prompt_sequences.py"), "--target",
+             str(ensure_smollm2()), "--out", str(staging / "prompt-seqs.jsonl"), "--per-domain",
+             str(args.prompt_seqs_per_domain), "--seed", "1"])  # fmt: skip
     wheels = staging / "wheels"
     wheels.mkdir()
     for w in args.wheel or []:
@@ -139,34 +153,39 @@ def cmd_pack(args: argparse.Namespace) -> int:
         _sh([*py, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
              "--python-version", args.python_version, "-d", str(wheels),
              f"gguf=={version('gguf')}"])  # fmt: skip
-    extra = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+    for arm, src in init.items():
+        shutil.copytree(src, staging / "init" / arm)
     src = gguf_path()
+    shutil.copy2(src, staging / GGUF)
+    tar_path = out / "bundle.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        tar.add(staging, arcname=".")
+    shutil.rmtree(staging)
     room = CARRY_LIMIT_MIB - tree_mib() - args.margin_mib
     if args.part_mib:
         room = min(room, args.part_mib)
-    ranges = plan_calls(src.stat().st_size, extra, room)
+    ranges = plan_calls(tar_path.stat().st_size, room)
     calls = []
-    with src.open("rb") as f:
+    with tar_path.open("rb") as f:
         for i, (a, b) in enumerate(ranges):
             d = out / f"call-{i + 1}"
             d.mkdir()
             f.seek(a)
-            (d / f"target.part-{i:02d}").write_bytes(f.read(b - a))
+            (d / f"bundle.part-{i:02d}").write_bytes(f.read(b - a))
             calls.append(str(d.relative_to(REPO) if d.is_relative_to(REPO) else d))
-    last = out / f"call-{len(ranges)}"
-    for p in staging.iterdir():
-        shutil.move(str(p), last / p.name)
-    staging.rmdir()
-    gguf_info = {"name": GGUF, "bytes": src.stat().st_size, "sha256": sha256(src),
-                 "parts": [f"target.part-{i:02d}" for i in range(len(ranges))]}  # fmt: skip
     manifest = {
-        "gguf": gguf_info,
+        "bundle": {"bytes": tar_path.stat().st_size, "sha256": sha256(tar_path),
+                   "parts": [f"bundle.part-{i:02d}" for i in range(len(ranges))]},
+        "gguf": {"name": GGUF, "bytes": src.stat().st_size, "sha256": sha256(src)},
+        "init": {arm: str(path) for arm, path in init.items()},
+        "regenerate": bool(args.regenerate),
         "prompts": {"per_domain": args.per_domain, "seed": args.seed, "domains": domains},
         "prompt_seqs_per_domain": args.prompt_seqs_per_domain,
         "calls": calls,
         "room_mib_per_call": round(room, 2),
-    }
-    (last / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    }  # fmt: skip
+    tar_path.unlink()
+    (out / f"call-{len(ranges)}" / "manifest.json").write_text(json.dumps(manifest, indent=2))
     print(f"bundle: {out} ({len(calls)} device calls, {room:.1f} MiB room per call)")
     gather = "mkdir -p /tmp/gpu-bundle && cp -r {d}/. /tmp/gpu-bundle/"
     for i, c in enumerate(calls):
@@ -196,7 +215,7 @@ class Results:
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for arm in self.record["arms"]:
                 run = self.work / "runs" / arm
-                for rel in ("draft", "metrics.jsonl"):
+                for rel in ("draft", "metrics.jsonl", "eval.jsonl"):
                     if (run / rel).exists():
                         tar.add(run / rel, arcname=f"{arm}/{rel}")
             summary = self.work / "data" / "regen" / "summary.json"
@@ -221,26 +240,34 @@ class Results:
         os.replace(tmp, self.out / "recipe.json")
 
 
-def join_gguf(bundle: Path, work: Path) -> Path:
+def join_bundle(bundle: Path, work: Path) -> tuple[dict, Path]:
+    """The bundle's parts joined, checked and extracted into work/bundle; (manifest, dir)."""
     manifest_path = bundle / "manifest.json"
     if not manifest_path.is_file():
         raise RecipeError(f"{manifest_path} is missing: carry the last call's folder of the "
                           "bundle (it holds the manifest) before `run`")  # fmt: skip
-    m = json.loads(manifest_path.read_text())["gguf"]
+    manifest = json.loads(manifest_path.read_text())
+    m = manifest["bundle"]
     missing = [p for p in m["parts"] if not (bundle / p).is_file()]
     if missing:
-        raise RecipeError(f"GGUF parts missing from {bundle}: {missing}; carry every call's "
+        raise RecipeError(f"bundle parts missing from {bundle}: {missing}; carry every call's "
                           "folder (see `pack`'s output) on the same warm machine first")  # fmt: skip
-    out = work / m["name"]
-    with out.open("wb") as f:
-        for p in m["parts"]:
-            f.write((bundle / p).read_bytes())
-    got = sha256(out)
-    if got != m["sha256"]:
-        raise RecipeError(f"the joined GGUF has sha256 {got[:16]}..., the bundle's is "
-                          f"{m['sha256'][:16]}...: a part is corrupt or from another pack; "
-                          "pack again and carry every part")  # fmt: skip
-    return out
+    h, buf = hashlib.sha256(), io.BytesIO()
+    for p in m["parts"]:
+        data = (bundle / p).read_bytes()
+        h.update(data)
+        buf.write(data)
+    if h.hexdigest() != m["sha256"]:
+        raise RecipeError(f"the joined bundle has sha256 {h.hexdigest()[:16]}..., the "
+                          f"manifest's is {m['sha256'][:16]}...: a part is corrupt or from "
+                          "another pack; pack again and carry every part")  # fmt: skip
+    out = work / "bundle"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as tar:
+        tar.extractall(out, filter="data")
+    return manifest, out
 
 
 def _probe_seconds_per_step(metrics: Path) -> float:
@@ -254,8 +281,7 @@ def _probe_seconds_per_step(metrics: Path) -> float:
 def cmd_run(args: argparse.Namespace) -> int:
     t_start = time.time()
     deadline = t_start + args.budget_s
-    bundle, out = Path(args.bundle), Path(args.out)
-    work = Path(args.work)
+    out, work = Path(args.out), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     results = Results(out, work)
     log = out / "recipe.log"
@@ -266,7 +292,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     results.record.update(arms_planned=arms, argv=sys.argv[1:])
 
     t = time.time()
-    gguf = join_gguf(bundle, work)
+    manifest, bundle = join_bundle(Path(args.bundle), work)
+    gguf = bundle / manifest["gguf"]["name"]
+    if sha256(gguf) != manifest["gguf"]["sha256"]:
+        raise RecipeError(f"{gguf} does not match the manifest's sha256; pack again")
     env = dict(os.environ)
     wheels = sorted((bundle / "wheels").glob("*.whl")) if (bundle / "wheels").is_dir() else []
     if wheels:
@@ -280,42 +309,65 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sglang_dspark.smollm2 import ensure_smollm2
 
     target = ensure_smollm2(work / "SmolLM2-135M-Instruct-bfloat16", gguf=gguf)
-    results.phase("target", time.time() - t, gguf_sha256=sha256(gguf))
+    results.phase("target", time.time() - t, gguf_sha256=manifest["gguf"]["sha256"])
 
     t = time.time()
     cli = [sys.executable, "-m", "sglang_dspark.cli"]
-    _sh([*cli, "data", "build", "--out", str(work / "data" / "regen"), "--target", str(target),
-         "--backend", "hf", "--device", args.device, "--dtype", "bfloat16",
-         "--prompts", str(bundle / "prompts.jsonl"), "--batch-size", str(args.gen_batch_size),
-         "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
-         "--seed", str(args.seed), "--no-progress"], env=env, log=log)  # fmt: skip
-    train_dir = work / "data" / "train"
-    train_dir.mkdir(parents=True, exist_ok=True)
-    for f in (work / "data" / "regen").glob("*.jsonl"):
-        shutil.copy2(f, train_dir / f"regen-{f.name}")
-    shutil.copy2(bundle / "prompt-seqs.jsonl", train_dir / "prompt-seqs.jsonl")
-    n_seq = sum(1 for f in train_dir.glob("*.jsonl") for line in f.open() if line.strip())
-    results.phase("data", time.time() - t, sequences=n_seq, temperature=args.temperature)
+    if args.regenerate:
+        if not (bundle / "prompts.jsonl").is_file():
+            raise RecipeError("--regenerate needs the prompts: pack with --regenerate")
+        _sh([*cli, "data", "build", "--out", str(work / "data" / "regen"), "--target",
+             str(target), "--backend", "hf", "--device", args.device, "--dtype", "bfloat16",
+             "--prompts", str(bundle / "prompts.jsonl"), "--batch-size",
+             str(args.gen_batch_size), "--max-new-tokens", str(args.max_new_tokens),
+             "--temperature", str(args.temperature), "--seed", str(args.seed),
+             "--no-progress"], env=env, log=log)  # fmt: skip
+        train_dir = work / "data" / "train"
+        train_dir.mkdir(parents=True, exist_ok=True)
+        for f in (work / "data" / "regen").glob("*.jsonl"):
+            shutil.copy2(f, train_dir / f"regen-{f.name}")
+        shutil.copy2(bundle / "prompt-seqs.jsonl", train_dir / "prompt-seqs.jsonl")
+    else:
+        train_dir = Path(args.data)
+    from sglang_dspark.drafter.data import load_sequences
+
+    n_seq = len(load_sequences(train_dir, max_length=10**9))
+    results.phase("data", time.time() - t, sequences=n_seq, data=str(train_dir),
+                  regenerated=bool(args.regenerate))  # fmt: skip
 
     common = ["--target", str(target), "--data", str(train_dir), "--seed", str(args.seed),
-              "--device", args.device, "--feature-store", str(work / "features"),
+              "--device", args.device, "--feature-cache-gb", str(args.feature_cache_gb),
               "--global-batch-size", str(args.global_batch_size),
               "--micro-batch-size", str(args.micro_batch_size), "--no-progress",
               "--checkpoint-every", str(args.checkpoint_every)]  # fmt: skip
+    if args.feature_store:
+        common += ["--feature-store", str(work / "features")]
+    if args.eval_data:
+        common += ["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)]
+    common += shlex.split(args.train_args)
+
+    def start(arm: str) -> str | None:
+        if args.from_scratch:
+            return None
+        carried = bundle / "init" / arm
+        return str(carried if carried.is_dir() else REPO / ARMS[arm][2])
 
     def train_cmd(arm: str, out_dir: Path, *extra: str) -> list[str]:
-        config, flags = ARMS[arm]
+        config, flags, _ = ARMS[arm]
         shape = shlex.split(args.dspark_args) if arm != "mtp1" else []
+        init = ["--init-draft", start(arm)] if start(arm) else []
         return [*cli, "train", "--config", str(REPO / config), "--out-dir", str(out_dir),
-                *common, *flags, *shape, *extra]  # fmt: skip
+                *common, *init, *flags, *shape, *extra]  # fmt: skip
 
     steps = args.steps
     if args.probe_steps:
         t = time.time()
         probe = work / "probe"
         shutil.rmtree(probe, ignore_errors=True)
-        _sh(train_cmd(arms[0], probe, "--steps", str(args.steps), "--stop-after",
-                      str(args.probe_steps)), env=env, log=log)  # fmt: skip
+        cmd = train_cmd(arms[0], probe, "--steps", str(args.steps), "--stop-after",
+                        str(args.probe_steps))  # fmt: skip
+        cmd = [c for c in cmd if c not in ("--eval-data", str(args.eval_data))]  # no eval in the probe
+        _sh(cmd, env=env, log=log)
         per_step = _probe_seconds_per_step(probe / "metrics.jsonl")
         left = deadline - time.time() - args.reserve_s
         fit = int(left / (per_step * len(arms) * 1.15))  # 15% for loads, features, export
@@ -331,14 +383,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             env=env, log=log)  # fmt: skip
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if line.strip()]
         last = rows[-20:]
+        evals = []
+        if (run_dir / "eval.jsonl").is_file():
+            evals = [json.loads(x) for x in (run_dir / "eval.jsonl").open() if x.strip()]
         results.record["arms"][arm] = {
             "seconds": round(time.time() - t, 1),
             "steps": rows[-1]["step"],
             "steps_planned": steps,
             "time_boxed": rows[-1]["step"] < steps,
+            "init": start(arm) or "scratch",
+            "sequences_seen": rows[-1]["step"] * args.global_batch_size,
             "lm_head_positions": sum(r["lm_head_positions"] for r in rows),
             "accept_proxy_last20": round(sum(r["accept"] for r in last) / len(last), 4),
             "loss_last20": round(sum(r["loss"] for r in last) / len(last), 4),
+            "heldout_tau": {str(e["step"]): e["tau_estimate"] for e in evals},
             "command": shlex.join(train_cmd(arm, Path(f"RUNS/{arm}"), "--steps", str(steps))),
         }
         results.flush()
@@ -364,16 +422,22 @@ def cmd_unpack(args: argparse.Namespace) -> int:
     (out / "recipe.json").write_text(json.dumps(recipe, indent=2))
     for arm, info in recipe["arms"].items():
         boxed = " (time-boxed)" if info["time_boxed"] else ""
+        tau = info.get("heldout_tau") or {}
+        held = f", held-out accept length {' -> '.join(map(str, tau.values()))}" if tau else ""
         print(f"{arm}: {out / arm / 'draft'}  {info['steps']} steps{boxed}, "
-              f"accept proxy {info['accept_proxy_last20']}")
+              f"accept proxy {info['accept_proxy_last20']}{held}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("pack", help="here: the bundle to carry (prompts, GGUF parts, wheels)")
+    p = sub.add_parser("pack", help="here: the bundle to carry (GGUF, wheels, init drafters)")
     p.add_argument("--out", default=str(REPO / ".gpu-bundle"))
+    p.add_argument("--init", action="append", metavar="ARM=DIR",
+                   help="start ARM from this drafter instead of the shipped one (repeatable)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="carry prompts so that `run --regenerate` answers them anew")
     p.add_argument("--per-domain", type=int, default=500, help="training prompts per domain")
     p.add_argument("--prompt-seqs-per-domain", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
@@ -388,6 +452,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="where results go ($OUT on the device)")
     p.add_argument("--work", default="/tmp/gpu-recipe")
     p.add_argument("--arms", default="dspark,mtp1,dflash")
+    p.add_argument("--data", default=str(REPO / DATA), help="training data (default: in the tree)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="train on responses generated here from the bundle's prompts instead")
+    p.add_argument("--eval-data", default=str(REPO / HELDOUT),
+                   help="held-out T=1 samples for the curves ('' for none)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--from-scratch", action="store_true", help="new drafters, not the shipped ones")
+    p.add_argument("--train-args", default="", help="extra trainer flags for every arm")
+    p.add_argument("--feature-cache-gb", type=float, default=48.0,
+                   help="target features kept on the device (the whole data set: about 15)")
+    p.add_argument("--feature-store", action="store_true",
+                   help="also share features between arms through the disk")
     p.add_argument("--dspark-args", default="", help="extra trainer flags for dspark and dflash")
     p.add_argument("--device", default="auto")
     p.add_argument("--steps", type=int, default=20000, help="upper bound; the probe sizes it")
@@ -395,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=500.0, help="the whole command's time")
     p.add_argument("--reserve-s", type=float, default=20.0, help="kept for writing results")
     p.add_argument("--global-batch-size", type=int, default=32)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=32)
     p.add_argument("--checkpoint-every", type=int, default=250)
     p.add_argument("--gen-batch-size", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -5,7 +5,7 @@ exact `python -m sglang.launch_server ...` line with the settings a 2-core, no-G
 needs: `--device cpu`, the torch_native attention backend, and a KV cache sized to the machine
 (SGLang's default would reserve ~13 GB). No environment variable is needed: the plugin selects
 SGLang's CPU engine for `--device cpu` (`cpu_engine_for_device_cpu`) and gives a DSPARK launch
-the sync scheduler (`plugin.scheduling.DEFAULT_MODE`). Three arms share everything but
+the sync scheduler (the CPU default of `plugin.scheduling.default_mode`). Three arms share everything but
 speculation:
 
 - `dspark`: `--speculative-algorithm DSPARK` with the shipped DSpark drafter (the default);

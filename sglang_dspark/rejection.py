@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 # Deliberately broken samplers, for negative controls only (the losslessness tests and
-# `sglang-dspark audit` must catch each; SGLANG_DSPARK_TEST_BREAK_SAMPLER selects one on a server):
+# `sglang-dspark audit` must catch each; on a test server the test-only plugin in
+# tests/controls selects one, never the shipped hooks):
 BROKEN_MODES = {
     "accept_all": "every draft kept",
     "no_renorm": "replacement drawn from max(0, p_t - p_d) without renormalising it",

@@ -8,6 +8,7 @@ their tests so that few are started twice.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import pytest
 import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "controls"))
+import dspark_test_controls as controls  # the test-only broken-sampler plugin
 
 
 def eval_prompts(name: str, limit: int | None = None) -> list[str]:
@@ -32,10 +36,10 @@ def embedded_paths():
 
 @contextmanager
 def broken_sampler(server, mode: str):
-    """`server` (a speculative one started with SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE, its path
-    in `server.break_switch`) with its sampler switched to the test-only broken `mode` inside
-    the block (the file is read at each verification), honest again after it: a negative
-    control without a second start-up."""
+    """`server` (a speculative one started with the test-only controls plugin and
+    SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE, its path in `server.break_switch`) with its sampler
+    switched to the broken `mode` inside the block (the file is read at each verification),
+    honest again after it: a negative control without a second start-up."""
     server.break_switch.write_text(mode)
     try:
         yield server
@@ -120,13 +124,16 @@ class ServerPool:
             paths = replace(paths, **{field: Path(draft)})
         port = free_port()
         switch = self.log_dir / f"break-sampler-{port}"
-        if speculative and "SGLANG_DSPARK_TEST_BREAK_SAMPLER" not in env:
-            env["SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE"] = str(switch)
+        launch_env = {**embedded.launch_env(), **env}
+        if speculative:  # the broken-sampler switch: a test-only plugin on the server's path
+            launch_env = controls.server_env(launch_env)
+            if controls.MODE_ENV not in env:
+                launch_env[controls.FILE_ENV] = str(switch)
         server = SGLangServer(
             cmd=embedded.launch_command(
                 paths, port=port, dtype=dtype, speculative=speculative, arm=arm, extra=list(extra)
             ),
-            env={**embedded.launch_env(), **env},
+            env=launch_env,
             port=port,
             log_path=self.log_dir / f"server-{port}.log",
         )

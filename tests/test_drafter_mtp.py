@@ -591,3 +591,30 @@ def test_bad_exports_give_clear_errors(tmp_path, setup):
         build_trainer(_cfg(root, target, "mse", mse_weight=0.5))
     with pytest.raises(ValueError, match="not one of"):
         build_trainer(_cfg(root, target, "kind", drafter="eagle"))
+
+
+def test_held_out_evaluation_of_an_mtp_run(setup, tmp_path):
+    """--eval-data on the MTP-1 trainer: one draft position; the step-0 record is the mean of
+    1 - TV/2 over the fixed held-out positions, recomputed per sequence by hand; the
+    accept length it implies is 1 + a; records at step 0, every eval_every steps, the end."""
+    root, target = setup
+    held = tmp_path / "held.jsonl"
+    held.write_text("\n".join((root / "data.jsonl").read_text().splitlines()[:5]) + "\n")
+    trainer = build_trainer(_cfg(root, target, "mtp-eval", eval_data=str(held), eval_every=4))
+    adapter = TargetAdapter.from_pretrained(target, [0])
+    acc, n = 0.0, 0
+    with torch.no_grad():
+        for seq, pos in trainer.eval_plan:
+            final = adapter.features(seq.input_ids).final_hidden
+            S = seq.input_ids.numel()
+            out = trainer.drafter(final[: S - 2], seq.input_ids[1 : S - 1], torch.arange(S - 2))
+            p_d = trainer.drafter.logits(out[pos]).softmax(-1)
+            p_t = adapter.logits(final[pos + 1]).softmax(-1)
+            acc += (1 - 0.5 * (p_d - p_t).abs().sum(-1)).sum().item()
+            n += pos.numel()
+    trainer.train()
+    recs = [json.loads(x) for x in (root / "mtp-eval" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 4, 8]
+    assert recs[0]["positions"] == [n] and recs[0]["accept"][0] == pytest.approx(acc / n, abs=1e-4)
+    assert recs[0]["tau_estimate"] == pytest.approx(1 + acc / n, abs=1e-4)
+    assert recs[-1]["accept"][0] > recs[0]["accept"][0]  # training on the same motifs helps

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import controls
 
 from sglang_dspark.plugin.cpu_eagle import tree_speculative_sampling_target_only_torch
 
@@ -113,7 +114,8 @@ def _first_tokens(p_t, q, n, *, broken=False, seed=0):
     predicts = torch.zeros(2 * n, dtype=torch.int32)
     accept_index = torch.full((n, 2), -1, dtype=torch.int32)
     accepted = torch.empty(n, dtype=torch.int32)
-    env = {"SGLANG_DSPARK_TEST_BREAK_SAMPLER": "accept_all"} if broken else {}
+    controls.install()  # the test-only switch (honest unless the variable asks otherwise)
+    env = {controls.MODE_ENV: "accept_all"} if broken else {}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -23,6 +23,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
@@ -513,9 +514,22 @@ def test_calibration_is_on_whenever_its_file_is_given(tmp_path, name, flag, give
     [("qwen3-8b-dspark", "async"), ("deepseek-v4-flash-dspark", "async"), ("cpu-smollm2", "sync")],
 )
 def test_gpu_profiles_keep_overlap_scheduling_and_the_cpu_profile_runs_algorithm_1(profile, mode):
-    env = env_of(container(server_pod(render(PROFILES[profile])), "sglang"))
-    assert env["SGLANG_DSPARK_SCHEDULER"]["value"] == mode
+    """The chart and the plugin agree: each DSPARK profile's scheduler is the plugin's default
+    for the device its server arguments resolve to (no --device: SGLang picks the node's
+    GPU), so a user launching the same arguments without the chart gets the same mode."""
+    from sglang_dspark.plugin.scheduling import apply_mode_env, default_mode, launch_device
+
+    sglang = container(server_pod(render(PROFILES[profile])), "sglang")
+    env = {k: v["value"] for k, v in env_of(sglang).items() if "value" in v}
+    assert env["SGLANG_DSPARK_SCHEDULER"] == mode
     assert profile_values(profile)["speculative"]["dspark"]["scheduler"] == mode
+    device = (parse_args(sglang["args"]).get("--device") or [None])[0]
+    assert (device == "cpu") == (profile == "cpu-smollm2")
+    resolved = launch_device(SimpleNamespace(device=device or "cuda"))  # a GPU node
+    assert default_mode(resolved) == mode
+    assert apply_mode_env(dict(env), default=default_mode(resolved)) == mode  # no conflict
+    without = {k: v for k, v in env.items() if k not in ("SGLANG_DSPARK_SCHEDULER", "SGLANG_RAGGED_VERIFY_MODE")}
+    assert apply_mode_env(without, default=default_mode(resolved)) == mode  # the same unset
 
 
 @pytest.mark.parametrize(

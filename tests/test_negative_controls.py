@@ -14,6 +14,11 @@ these sizes; `accept_all` and `no_renorm` act at every block.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -141,7 +146,9 @@ def test_unknown_broken_mode_is_refused_with_the_valid_modes():
 def test_break_sampler_file_switches_a_running_process(tmp_path, monkeypatch):
     """SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE: the mode is read at each call (a missing or empty
     file is the honest sampler, a bad mode is refused), so a test flips one running server."""
-    from sglang_dspark.plugin.cpu_sampling import broken_sampler_mode
+    from conftest import controls
+
+    broken_sampler_mode = controls.broken_sampler_mode
 
     switch = tmp_path / "break"
     monkeypatch.setenv("SGLANG_DSPARK_TEST_BREAK_SAMPLER", "accept_all")
@@ -154,3 +161,56 @@ def test_break_sampler_file_switches_a_running_process(tmp_path, monkeypatch):
     switch.write_text("accept_most")
     with pytest.raises(ValueError, match="unknown broken sampler mode"):
         broken_sampler_mode()
+
+
+def test_the_shipped_sampler_reads_no_test_switch(monkeypatch):
+    """The broken-sampler switch is a test-only SGLang plugin: no module of the package reads a
+    test variable, and the CPU verification hook stays honest with the switch set."""
+    from conftest import controls
+
+    from sglang_dspark import rejection
+    from sglang_dspark.plugin import cpu_sampling
+
+    package = Path(rejection.__file__).parent
+    readers = [p for p in package.rglob("*.py") if "SGLANG_DSPARK_TEST" in p.read_text()]
+    assert readers == []
+    monkeypatch.setenv(controls.MODE_ENV, "accept_all")
+    honest = getattr(rejection.chain_speculative_sampling_torch, "__wrapped__",
+                     rejection.chain_speculative_sampling_torch)  # fmt: skip
+    monkeypatch.setattr(rejection, "chain_speculative_sampling_torch", honest)  # no controls
+    p_t = torch.tensor([[0.9, 0.1, 0.0, 0.0]] * 2)
+    p_d = torch.tensor([[0.0, 0.0, 0.0, 1.0]])  # a draft the target never takes
+    args = _verify_args(p_t, p_d)
+    cpu_sampling._dispatch(None, *args)
+    assert int(args[2][0]) == 0  # honest: the impossible draft is rejected
+    controls.install()
+    args = _verify_args(p_t, p_d)
+    cpu_sampling._dispatch(None, *args)
+    assert int(args[2][0]) == 1  # with the test plugin installed, accept_all keeps it
+
+
+def _verify_args(p_t: torch.Tensor, p_d: torch.Tensor) -> tuple:
+    """chain_speculative_sampling_triton's arguments for one request with one draft (token 3)."""
+    predicts = torch.zeros(2, dtype=torch.int32)
+    accept_index = torch.full((1, 2), -1, dtype=torch.int32)
+    accept_num = torch.zeros(1, dtype=torch.int32)
+    candidates = torch.tensor([[0, 3]])
+    return (predicts, accept_index, accept_num, candidates, torch.arange(2).view(1, 2), None,
+            None, torch.full((1, 2), 0.5), torch.full((1,), 0.5), p_t[None], p_d[None], 1.0,
+            1.0, True)  # fmt: skip
+
+
+def test_the_controls_plugin_loads_only_from_its_folder():
+    """SGLang's plugin loader installs the controls in a process whose PYTHONPATH holds
+    tests/controls (what the test servers get), and not otherwise."""
+    from conftest import controls
+
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
+            "import sglang_dspark.rejection as r; "
+            "print('CONTROLS', getattr(r.chain_speculative_sampling_torch, '_test_controls', False))")  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    base["SGLANG_USE_CPU_ENGINE"] = "1"
+    for env, want in ((controls.server_env(base), "True"), (base, "False")):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=300, check=False)  # fmt: skip
+        assert f"CONTROLS {want}" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

@@ -222,17 +222,25 @@ def test_register_raises_systemexit_on_a_wrong_version(monkeypatch):
     assert "sglang 0.6.0 is installed" in str(info.value.code)
 
 
-def test_scheduler_default_is_sync_unless_a_verify_mode_is_set():
-    from sglang_dspark.plugin.scheduling import DEFAULT_MODE, apply_mode_env
+def test_scheduler_default_is_per_device_unless_a_verify_mode_is_set():
+    from types import SimpleNamespace
 
+    from sglang_dspark.plugin.scheduling import apply_mode_env, default_mode, launch_device
+
+    assert default_mode("cpu") == "sync"
+    assert default_mode("cuda") == default_mode("cuda:3") == default_mode("xpu") == "async"
+    assert launch_device(SimpleNamespace(device="cpu")) == "cpu"
     env: dict[str, str] = {}
-    assert apply_mode_env(env, default=DEFAULT_MODE) == "sync"
+    assert apply_mode_env(env, default=default_mode("cpu")) == "sync"
     assert env == {"SGLANG_DSPARK_SCHEDULER": "sync", "SGLANG_RAGGED_VERIFY_MODE": "compact"}
+    env = {}
+    assert apply_mode_env(env, default=default_mode("cuda")) == "async"  # overlap kept
+    assert env == {"SGLANG_DSPARK_SCHEDULER": "async", "SGLANG_RAGGED_VERIFY_MODE": "compact"}
     env = {"SGLANG_RAGGED_VERIFY_MODE": "static"}  # the user asked for upstream's mode
-    assert apply_mode_env(env, default=DEFAULT_MODE) is None
+    assert apply_mode_env(env, default=default_mode("cpu")) is None
     assert env == {"SGLANG_RAGGED_VERIFY_MODE": "static"}
-    env = {"SGLANG_DSPARK_SCHEDULER": "async"}
-    assert apply_mode_env(env, default=DEFAULT_MODE) == "async"
+    env = {"SGLANG_DSPARK_SCHEDULER": "sync"}  # asked for on a GPU: kept
+    assert apply_mode_env(env, default=default_mode("cuda")) == "sync"
     assert apply_mode_env({}) is None  # no default outside a DSPARK launch
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from conftest import broken_sampler, sample_prompts, verify_every_draft
+from conftest import broken_sampler, controls, sample_prompts, verify_every_draft
 
 from sglang_dspark.losslessness import LosslessnessReport, compare_samples
 from sglang_dspark.server import SGLangServer, free_port
@@ -248,14 +248,15 @@ def dspark_server(server, greedy, plain_samples, tiny_v4, tmp_path_factory):
     """DSPARK with the checkpoint's bundled draft (random weights), after the plain server is
     stopped (one server at a time; the tests above ran on it, its samples are kept). Launched
     as a user types it: the start-up SPS profile runs (`test_dspark_start_up_profiled_sps`).
-    `srv.break_switch`: the file its sampler reads its test-only broken mode from (empty:
-    honest), so the negative control needs no second start-up."""
+    `srv.break_switch`: the file its sampler reads its broken mode from (empty: honest), with
+    the test-only controls plugin on its path, so the negative control needs no second
+    start-up."""
     server.stop()
     log_dir = tmp_path_factory.mktemp("v4-dspark")
     switch = log_dir / "break-sampler"
     srv = _start(
         tiny_v4, log_dir, extra=["--speculative-algorithm", "DSPARK"],
-        env_extra={"SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE": str(switch)},
+        env_extra={"PYTHONPATH": controls.server_env()["PYTHONPATH"], controls.FILE_ENV: str(switch)},
     )  # fmt: skip
     srv.break_switch = switch
     yield srv

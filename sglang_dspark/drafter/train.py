@@ -950,6 +950,11 @@ class Trainer:
         return sums
 
     # -------------------------------------------------------------- held-out evaluation
+    @property
+    def draft_positions(self) -> int:
+        """Draft tokens a verify round can accept (gamma; 1 for MTP-1)."""
+        return self.draft_config.block_size
+
     def _eval_plan(self) -> list[tuple[TokenSequence, BlockTargets, BlockTargets]]:
         """Fixed blocks of the held-out sequences (this rank's share): num_anchors anchors
         each, drawn once from the seed, so every evaluation sees the same blocks."""
@@ -990,8 +995,7 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Held-out acceptance per draft position (see ``eval_data``) and the accept length
         it implies, 1 + sum_k prod_{j<=k} a_j (bonus token included)."""
-        gamma = self.draft_config.block_size
-        sums = torch.zeros(2, gamma, device=self.device)
+        sums = torch.zeros(2, self.draft_positions, device=self.device)
         was_training = self.drafter.training
         self.drafter.eval()
         try:

@@ -21,6 +21,7 @@ block_size rows, so one MTP step costs one DSpark step (``lm_head_positions`` in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +31,11 @@ import torch.distributed as dist
 
 from .checkpoint import load_mtp_draft, save_mtp_draft
 from .config import DraftConfigError
-from .data import TokenSequence, _stable_seed, anchor_candidates
+from .data import TokenSequence, _stable_seed, anchor_candidates, load_sequences
 from .loss import LossSums, combine, loss_sums
 from .mtp import MtpDraftConfig, MtpDrafter
 from .target import TargetFeatures, pad_right
-from .train import Trainer, to_device
+from .train import _EVAL_INDEX, Trainer, to_device
 
 MtpPlan = list[tuple[TokenSequence, torch.Tensor]]  # (sequence, sorted supervised positions i)
 
@@ -83,10 +84,9 @@ class MtpTrainer(Trainer):
             )
         if cfg.dflash:
             raise DraftConfigError("dflash switches off a DSpark Markov head; MTP-1 has none.")
-        if cfg.grow_layers or cfg.grow_markov_rank or cfg.eval_data:
+        if cfg.grow_layers or cfg.grow_markov_rank:
             raise DraftConfigError(
-                "grow_layers / grow_markov_rank / eval_data are implemented for the DSpark trainer; drop them with "
-                "--drafter mtp (compare MTP-1 drafters with `sglang-dspark compare`)."
+                "grow_layers / grow_markov_rank grow a DSpark drafter; drop them with --drafter mtp."
             )
         if cfg.mse_weight or cfg.dense_anchors:
             raise DraftConfigError(
@@ -147,7 +147,40 @@ class MtpTrainer(Trainer):
     def _lm_head_positions(self, plan: MtpPlan) -> int:
         return sum(pos.numel() for _, pos in plan)
 
-    def _micro_batch(self, items: Sequence[tuple[TokenSequence, torch.Tensor]]):
+    # -------------------------------------------------------------- held-out evaluation
+    @property
+    def draft_positions(self) -> int:
+        return 1
+
+    def _eval_plan(self) -> MtpPlan:
+        """Fixed positions of the held-out sequences (this rank's share), drawn once."""
+        seqs = load_sequences(self.cfg.eval_data, max_length=self.cfg.max_length)
+        plan = [
+            (dataclasses.replace(seq, index=_EVAL_INDEX - i),
+             sample_mtp_positions(seq.loss_mask, self.positions_per_sequence,
+                                  _stable_seed(self.cfg.seed, "eval", i)))
+            for i, seq in enumerate(seqs)
+            if i % self.dist.world == self.dist.rank
+        ]  # fmt: skip
+        if not any(pos.numel() for _, pos in plan) and self.dist.world == 1:
+            raise DraftConfigError(f"eval_data {self.cfg.eval_data} has no response position "
+                                   "to evaluate (every loss mask is empty or too short)")  # fmt: skip
+        return plan
+
+    @torch.no_grad()
+    def _position_accept(self, mb: _MtpMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of 1 - TV/2 against the target (its next-next-token distribution) over the
+        micro-batch's positions, and their number; [1] each."""
+        h = self._position_hidden(mb)
+        acc = h.new_zeros(1, dtype=torch.float32)
+        for sl in self._loss_chunks(mb.rows.numel(), 1):
+            acc += self._head_sums(h, mb, sl).accept
+        return acc, acc.new_full((1,), float(mb.rows.numel()))
+
+    # -------------------------------------------------------------- micro-batches
+    def _micro_batch(self, items: Sequence[tuple[TokenSequence, torch.Tensor]], *,
+                     exact: bool = False):  # fmt: skip
+        """``exact`` is the DSpark trainer's (top-k targets); MTP-1 always uses exact logits."""
         items = [(seq, pos) for seq, pos in items if pos.numel()]
         if not items:
             return None

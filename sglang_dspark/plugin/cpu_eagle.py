@@ -241,13 +241,11 @@ def tree_speculative_sampling_target_only_torch(
         (*drafts.shape, target_probs.shape[-1]), dtype=target_probs.dtype, device=drafts.device
     )
     one_hot.scatter_(-1, drafts[..., None], 1.0)
-    from sglang_dspark.plugin.cpu_sampling import broken_sampler_mode
-
     return chain_speculative_sampling_torch(
         predicts, accept_index, accept_token_num, candidates, retrive_index,
         retrive_next_token, retrive_next_sibling, uniform_samples,
         uniform_samples_for_final_sampling, target_probs, one_hot, threshold_single,
-        threshold_acc, deterministic, broken=broken_sampler_mode(),
+        threshold_acc, deterministic,
     )  # fmt: skip
 
 

@@ -11,8 +11,16 @@
   works in float32 with its own `survival_eps` and tie order). The overlap scheduler is
   turned off, so the confidences read are this step's.
 
-Unset, a DSPARK launch gets `sync` (`DEFAULT_MODE`), unless `SGLANG_RAGGED_VERIFY_MODE` is
-set: then SGLang behaves as upstream in that mode. Hooks:
+Unset, a DSPARK launch gets its device's default (`DEFAULT_MODES`, `default_mode`), unless
+`SGLANG_RAGGED_VERIFY_MODE` is set: then SGLang behaves as upstream in that mode.
+
+- CPU: `sync`. Algorithm 1 on the current step's confidences, overlap scheduling off; on the
+  embedded CPU default it was the fastest mode measured (docs/measurements.md), and a CPU
+  server gains nothing from overlap (the host does the GPU's work too).
+- CUDA (and any other accelerator): `async`, upstream's planner, which keeps SGLang's overlap
+  scheduler on, as the chart's GPU profiles have it. `sync` only when asked.
+
+Hooks:
 
 - `dspark_scheduler_mode`: maps the mode to `SGLANG_RAGGED_VERIFY_MODE`, refuses a conflicting
   explicit value, and turns off the overlap scheduler for `sync`. The default is set while the
@@ -48,7 +56,15 @@ logger = logging.getLogger(__name__)
 SCHEDULER_ENV = "SGLANG_DSPARK_SCHEDULER"
 RAGGED_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 MODES = {"static": "static", "async": "compact", "sync": "compact"}
-DEFAULT_MODE = "sync"  # a DSPARK launch with neither variable set
+# A DSPARK launch with neither variable set, by device (the chart's profiles agree: tested).
+DEFAULT_MODES = {"cpu": "sync", "cuda": "async"}
+
+
+def default_mode(device: str | None) -> str:
+    """The scheduler mode a DSPARK launch on ``device`` gets when none is asked for: sync on
+    the CPU, async (overlap scheduling kept) on CUDA and any other accelerator."""
+    kind = str(device or "cuda").split(":", 1)[0]
+    return DEFAULT_MODES.get(kind, "async")
 
 
 class SchedulerConfigError(ValueError):
@@ -95,9 +111,19 @@ def apply_mode_env(
 
 
 # ------------------------------------------------------------------------- mode / overlap
+def launch_device(server_args) -> str:
+    """The device a launch runs on (SGLang resolves an omitted --device before this hook)."""
+    device = getattr(server_args, "device", None)
+    if device:
+        return str(device)
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _handle_dspark_with_mode(server_args):
     # raises SchedulerConfigError for a bad or conflicting setting
-    mode = apply_mode_env(default=DEFAULT_MODE)
+    mode = apply_mode_env(default=default_mode(launch_device(server_args)))
     if mode == "sync":
         from sglang.srt.arg_groups.overrides import declare_resolution
 
