@@ -95,6 +95,8 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
     ".compute_budget": (
         "(self, *, confidence, generation, current_generation, req_pool_indices_cpu)"
     ),
+    "sglang.srt.speculative.dspark_components.dspark_planner.DSparkVerifyPlanner"
+    ".compute_budget_sync": "(self, *, confidence, prefix_lens, req_pool_indices)",
     "sglang.kernels.ops.speculative.dspark.dspark_schedule.ScheduleVerifyLensTopk.execute": (
         "(cls, *args, **kwargs)"
     ),

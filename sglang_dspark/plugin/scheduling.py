@@ -27,10 +27,13 @@ Hooks:
   launcher resolves a DSPARK launch's arguments (only DSPARK reads it), so every process that
   SGLang starts afterwards inherits it.
 - `dspark_sync_scheduler`: `sync`'s lengths. `HostConfidenceBudgetPlanner.compute_budget`
-  runs Algorithm 1 and keeps its lengths beside the budget it returns; the planner's top-K
+  runs Algorithm 1 and puts its lengths, with the budget it returns, on the step's confidence
+  tensor (attribute `dspark_sync`): the tensor SGLang hands from that step's budget to that
+  step's layout, so the lengths travel with the step, never through shared state. On a GPU
+  the planner reads a CPU copy of the confidences; `DSparkVerifyPlanner.compute_budget_sync`
+  (hooked too) moves the lengths onto the step's own tensor. The planner's top-K
   (`ScheduleVerifyLensTopk.execute`) then returns exactly those lengths (as `1 + l`, clamped to
-  the configured verify range) when it is asked for that same budget on the same number of
-  requests. Upstream's tensor-parallel sync of the lengths, its budget invariant and its debug
+  the configured verify range) when it is asked for that same budget on those confidences. Upstream's tensor-parallel sync of the lengths, its budget invariant and its debug
   log run on them unchanged. A different budget (`--speculative-dspark-align-verify-tokens-
   to-graph-tier` raises it to fill a CUDA-graph tier) is left to upstream's top-K, which then
   fills the tier from the same survival order.
@@ -44,6 +47,7 @@ Hooks:
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import time
@@ -154,7 +158,6 @@ _warned_overlap = False
 def _compute_budget_sync(
     original, planner, *, confidence, generation, current_generation, req_pool_indices_cpu
 ):
-    _sync_lengths.update(budget=None, lengths=None)
     if scheduler_mode() != "sync" or planner.forced_budget_frac is not None:
         return original(
             planner,
@@ -188,14 +191,38 @@ def _compute_budget_sync(
     budget = int(lengths.sum())
     theta = expected_throughput(c, lengths, planner.sps_table)
     planner.last_decision = VerifyBudgetDecision(budget=budget, predicted_theta=theta)
-    # under overlap these confidences are relayed ones: the lengths are not this step's
-    _sync_lengths.update(budget=None if overlap else budget, lengths=lengths)
+    if not overlap:  # under overlap these confidences are relayed ones, not this step's
+        carry_lengths(confidence, budget, lengths)
+        box = _step_box.get()
+        if box is not None:
+            box.update(budget=budget, lengths=lengths)
     return budget
 
 
-# Algorithm 1's lengths of the budget just computed, for the top-K call that follows it in the
-# same step (one scheduler process, one step at a time).
-_sync_lengths: dict = {"budget": None, "lengths": None}
+SYNC_ATTR = "dspark_sync"  # (budget, lengths) on a step's confidence tensor
+# Set by the compute_budget_sync hook for the duration of one call: where the budget planner,
+# which sees only a CPU copy of the step's confidences, leaves that step's lengths.
+_step_box: contextvars.ContextVar[dict | None] = contextvars.ContextVar("dspark_step", default=None)
+
+
+def carry_lengths(confidence, budget: int, lengths) -> None:
+    """Algorithm 1's ``lengths`` for ``budget``, carried by the step's confidence tensor."""
+    setattr(confidence, SYNC_ATTR, (int(budget), lengths))
+
+
+def _budget_sync_on_step(original, verify_planner, *, confidence, prefix_lens, req_pool_indices):
+    """The step's budget; Algorithm 1's lengths onto the step's own confidence tensor (the
+    budget planner saw a CPU copy of it on a GPU)."""
+    box: dict = {}
+    token = _step_box.set(box)
+    try:
+        budget = original(verify_planner, confidence=confidence, prefix_lens=prefix_lens,
+                          req_pool_indices=req_pool_indices)  # fmt: skip
+    finally:
+        _step_box.reset(token)
+    if box and budget is not None and box["budget"] == int(budget):
+        carry_lengths(confidence, box["budget"], box["lengths"])
+    return budget
 
 
 def sync_verify_lens(lengths, cfg):
@@ -207,14 +234,12 @@ def sync_verify_lens(lengths, cfg):
 
 
 def _topk_with_sync_lengths(original, cls, *args, **kwargs):
-    budget, lengths = _sync_lengths["budget"], _sync_lengths["lengths"]
-    _sync_lengths.update(budget=None, lengths=None)  # one use: never a later step's
     confidence = kwargs.get("confidence")
+    budget, lengths = getattr(confidence, SYNC_ATTR, None) or (None, None)
     if (
         budget is not None
         and not args
         and kwargs.get("budget") == budget
-        and confidence is not None
         and int(confidence.shape[0]) == int(lengths.shape[0])
     ):
         import torch
@@ -228,6 +253,11 @@ def install_sync_budget() -> None:
         "sglang.srt.speculative.dspark_components.dspark_planner."
         "HostConfidenceBudgetPlanner.compute_budget",
         _compute_budget_sync,
+    )
+    register_around(
+        "sglang.srt.speculative.dspark_components.dspark_planner."
+        "DSparkVerifyPlanner.compute_budget_sync",
+        _budget_sync_on_step,
     )
     register_around(
         "sglang.kernels.ops.speculative.dspark.dspark_schedule.ScheduleVerifyLensTopk.execute",
