@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo serve test lint bench clean python-docs
+.PHONY: setup demo serve test test-fast lint bench clean python-docs
 
 setup: $(VENV)/.dspark-installed
 
@@ -32,6 +32,11 @@ test: setup
 	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels
 	$(BIN)/python scripts/install_helm.py
 	$(BIN)/python -m pytest
+
+# The fast lane: unit tests only (no servers, no Helm renders, nothing marked slow).
+test-fast: setup
+	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels
+	$(BIN)/python -m pytest -m "not slow and not sglang and not helm" -p no:cacheprovider
 
 lint: setup
 	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels

@@ -288,6 +288,7 @@ def test_a_short_run_lowers_the_loss_and_raises_the_acceptance_proxy(trained):
           f"train loss {first:.4f} -> {last:.4f}")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_held_out_curve_of_a_v4_run(trained):
     """--eval-data on the V4 trainer: records at step 0 and at the end, on the same blocks,
     and the trained drafter's per-position acceptance is higher (as on the fixed blocks above)."""

@@ -200,6 +200,7 @@ def _verify_args(p_t: torch.Tensor, p_d: torch.Tensor) -> tuple:
             1.0, True)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_controls_plugin_loads_only_from_its_folder():
     """SGLang's plugin loader installs the controls in a process whose PYTHONPATH holds
     tests/controls (what the test servers get), and not otherwise."""

@@ -18,6 +18,8 @@ import pytest
 from sglang_dspark.plugin import _hooks
 
 PROBE = Path(__file__).parent / "probes" / "hooks.py"
+# Each probe run imports SGLang in a child process, twice (about a minute): not the fast lane.
+pytestmark = pytest.mark.slow
 
 # What each hook's probe shows on an unmodified SGLang.
 UPSTREAM_FAILURE = {

@@ -277,6 +277,7 @@ def _run_tp(tmp_path, *, cached: bool) -> list[dict]:
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_tp_ranks_profile_together_and_install_rank_0s_table(tmp_path):
     r0, r1 = _run_tp(tmp_path, cached=False)
     assert r0["profiled"] and r1["profiled"]  # both ran the forwards (lockstep collectives)
@@ -289,6 +290,7 @@ def test_tp_ranks_profile_together_and_install_rank_0s_table(tmp_path):
     assert (r0["wrote"], r1["wrote"]) == (True, False)  # only rank 0 writes the cache
 
 
+@pytest.mark.slow
 def test_tp_ranks_take_rank_0s_cached_table_even_when_theirs_is_missing(tmp_path):
     r0, r1 = _run_tp(tmp_path, cached=True)
     # rank 1 has no cache file; had it profiled while rank 0 read its table, the profile's
