@@ -342,9 +342,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               "--checkpoint-every", str(args.checkpoint_every)]  # fmt: skip
     if args.feature_store:
         common += ["--feature-store", str(work / "features")]
-    if args.eval_data:
-        common += ["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)]
     common += shlex.split(args.train_args)
+    curves = ["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)]
 
     def start(arm: str) -> str | None:
         if args.from_scratch:
@@ -352,22 +351,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         carried = bundle / "init" / arm
         return str(carried if carried.is_dir() else REPO / ARMS[arm][2])
 
-    def train_cmd(arm: str, out_dir: Path, *extra: str) -> list[str]:
+    def train_cmd(arm: str, out_dir: Path, *extra: str, held_out: bool = True) -> list[str]:
         config, flags, _ = ARMS[arm]
         shape = shlex.split(args.dspark_args) if arm != "mtp1" else []
         init = ["--init-draft", start(arm)] if start(arm) else []
+        held = curves if held_out and args.eval_data else []
         return [*cli, "train", "--config", str(REPO / config), "--out-dir", str(out_dir),
-                *common, *init, *flags, *shape, *extra]  # fmt: skip
+                *common, *held, *init, *flags, *shape, *extra]  # fmt: skip
 
     steps = args.steps
     if args.probe_steps:
         t = time.time()
         probe = work / "probe"
         shutil.rmtree(probe, ignore_errors=True)
-        cmd = train_cmd(arms[0], probe, "--steps", str(args.steps), "--stop-after",
-                        str(args.probe_steps))  # fmt: skip
-        cmd = [c for c in cmd if c not in ("--eval-data", str(args.eval_data))]  # no eval in the probe
-        _sh(cmd, env=env, log=log)
+        _sh(train_cmd(arms[0], probe, "--steps", str(args.steps), "--stop-after",
+                      str(args.probe_steps), held_out=False), env=env, log=log)  # fmt: skip
         per_step = _probe_seconds_per_step(probe / "metrics.jsonl")
         left = deadline - time.time() - args.reserve_s
         fit = int(left / (per_step * len(arms) * 1.15))  # 15% for loads, features, export

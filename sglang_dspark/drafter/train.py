@@ -13,8 +13,9 @@ rows only). The vocabulary terms run a chunk of ``loss_chunk_rows`` LM-head rows
 each chunk's backward into the drafter's hidden states before the next (the target's logits
 for a chunk are made inside it), so no [rows, V] tensor of a whole micro-batch exists and
 micro-batches of 32-128 sequences fit. Nothing in a step waits on the device but the one
-read of the step's statistics at its end. Loss: ``loss.py``. The loss normaliser is the global sum of position weights, and
-gradients are summed over ranks, so N ranks compute the same update as one.
+read of the step's statistics at its end. Loss: ``loss.py``. The loss normaliser is the
+global sum of position weights, and gradients are summed over ranks, so N ranks compute the
+same update as one.
 Anchors and data order are functions of (seed, epoch, sample index) only: a resumed run
 replays exactly what an uninterrupted one would have done.
 
@@ -665,7 +666,7 @@ class Trainer:
         seq_of, is_full = torch.cat(seq_of), torch.cat(is_full)
         rows = (torch.arange(N)[:, None] * A + torch.arange(A)).flatten()
         rows = rows[(torch.arange(A) < torch.tensor(counts)[:, None]).flatten()]
-        anchors_all = (ctx_hi.flatten()[rows])
+        anchors_all = ctx_hi.flatten()[rows]
         positions = torch.zeros(N, A, gamma, dtype=torch.long)
         positions.view(N * A, gamma)[rows] = anchors_all[:, None] + torch.arange(gamma)
         context = pad_right([f.context for f in feats])
@@ -900,53 +901,55 @@ class Trainer:
             hidden = self.drafter(mb.context, mb.layout)
             return hidden.flatten(0, 1)[mb.rows]
 
-    def _forward_backward(
-        self, mb: _MicroBatch, weight_total: torch.Tensor, mse_weight_total: torch.Tensor
-    ) -> LossSums:
+    def _head_items(self, mb) -> tuple[int, int]:
+        """(items the vocabulary terms cover, LM-head rows per item): full-loss blocks of
+        gamma rows (MTP-1: supervised positions of one row)."""
+        return (0 if mb.target is None else mb.full.numel()), self.draft_config.block_size
+
+    def _mse_sums(self, h: torch.Tensor, mb: _MicroBatch) -> LossSums:
+        """The dense centred-logit MSE over every block (``loss.LogitGram``)."""
+        head = self.drafter.markov_head
+        codes = head.block_codes(mb.prev_tokens, h)
+        mse = self._gram.mse(h.float() - mb.target_hidden.float(), codes, head.markov_w2.weight)
+        wv = position_weights(mse.shape[1], self.cfg.decay, mse.device) * mb.valid.float()
+        sums = LossSums.zeros(self.device)
+        sums.mse, sums.mse_weight = (mse * wv).sum(), wv.sum()
+        return sums
+
+    def _forward_backward(self, mb, weight_total: torch.Tensor,
+                          mse_weight_total: torch.Tensor) -> LossSums:  # fmt: skip
         """The micro-batch's loss sums, with their gradient accumulated into the drafter:
         the backbone once, then the vocabulary terms a chunk at a time (each chunk's
         backward stops at the backbone's output), then one backward through the backbone.
         The loss is linear in the sums, so this is the gradient of the whole at once."""
-        cfg = self.cfg
+        lw = self.cfg.loss_weights
         hidden = self._block_hidden(mb)
         h = hidden.detach().requires_grad_()
         totals = LossSums.zeros(self.device)
         with self._timed("loss"):
-            for sl in self._loss_chunks(mb.full.numel(), self.draft_config.block_size):
-                if mb.target is None:
-                    break
+            for sl in self._loss_chunks(*self._head_items(mb)):
                 sums = self._head_sums(h, mb, sl)
-                combine(sums, cfg.loss_weights, weight_total, mse_weight_total).backward()
+                combine(sums, lw, weight_total, mse_weight_total).backward()
                 totals = totals + sums.detached()
-        if mb.target_hidden is not None:
-            head = self.drafter.markov_head
-            codes = head.block_codes(mb.prev_tokens, h)
-            mse = self._gram.mse(h.float() - mb.target_hidden.float(), codes, head.markov_w2.weight)
-            wv = position_weights(mse.shape[1], cfg.decay, mse.device) * mb.valid.float()
-            sums = LossSums.zeros(self.device)
-            sums.mse, sums.mse_weight = (mse * wv).sum(), wv.sum()
-            combine(sums, cfg.loss_weights, weight_total, mse_weight_total).backward()
+        if getattr(mb, "target_hidden", None) is not None:
+            sums = self._mse_sums(h, mb)
+            combine(sums, lw, weight_total, mse_weight_total).backward()
             totals = totals + sums.detached()
         if h.grad is not None:
             with self._timed("drafter"):
                 hidden.backward(h.grad)
         return totals
 
-    def _micro_batch_loss(self, mb: _MicroBatch) -> LossSums:
+    def _micro_batch_loss(self, mb) -> LossSums:
         """The micro-batch's loss sums in one piece, with their graph (no backward run): the
         reference the chunked ``_forward_backward`` equals."""
         hidden = self._block_hidden(mb)
         sums = LossSums.zeros(self.device)
-        if mb.target is not None:
+        if self._head_items(mb)[0]:
             sums = self._head_sums(hidden, mb, slice(None))
-        if mb.target_hidden is not None:
-            head = self.drafter.markov_head
-            codes = head.block_codes(mb.prev_tokens, hidden)
-            mse = self._gram.mse(
-                hidden.float() - mb.target_hidden.float(), codes, head.markov_w2.weight
-            )
-            wv = position_weights(mse.shape[1], self.cfg.decay, mse.device) * mb.valid.float()
-            sums.mse, sums.mse_weight = (mse * wv).sum(), wv.sum()
+        if getattr(mb, "target_hidden", None) is not None:
+            mse = self._mse_sums(hidden, mb)
+            sums.mse, sums.mse_weight = mse.mse, mse.mse_weight
         return sums
 
     # -------------------------------------------------------------- held-out evaluation

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .checkpoint import load_mtp_draft, save_mtp_draft
 from .config import DraftConfigError
 from .data import TokenSequence, _stable_seed, anchor_candidates, load_sequences
-from .loss import LossSums, combine, loss_sums
+from .loss import LossSums, loss_sums
 from .mtp import MtpDraftConfig, MtpDrafter
 from .target import TargetFeatures, pad_right
 from .train import _EVAL_INDEX, Trainer, to_device
@@ -171,7 +171,7 @@ class MtpTrainer(Trainer):
     def _position_accept(self, mb: _MtpMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of 1 - TV/2 against the target (its next-next-token distribution) over the
         micro-batch's positions, and their number; [1] each."""
-        h = self._position_hidden(mb)
+        h = self._block_hidden(mb)
         acc = h.new_zeros(1, dtype=torch.float32)
         for sl in self._loss_chunks(mb.rows.numel(), 1):
             acc += self._head_sums(h, mb, sl).accept
@@ -199,11 +199,15 @@ class MtpTrainer(Trainer):
             target=final[to_device((seq_of, pos + 1), dev)],
         )
 
-    def _position_hidden(self, mb: _MtpMicroBatch) -> torch.Tensor:
+    def _block_hidden(self, mb: _MtpMicroBatch) -> torch.Tensor:
+        """o_i [R, H] at the supervised positions."""
         with self._timed("drafter"), torch.autocast(self.device.type, dtype=torch.bfloat16,
                                                      enabled=self.bf16):  # fmt: skip
             out = self.drafter(mb.hidden, mb.next_tokens, mb.positions)
             return out.flatten(0, 1)[mb.rows]  # [R, H]
+
+    def _head_items(self, mb: _MtpMicroBatch) -> tuple[int, int]:
+        return mb.rows.numel(), 1
 
     def _head_sums(self, h: torch.Tensor, mb: _MtpMicroBatch, sl: slice) -> LossSums:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -215,22 +219,6 @@ class MtpTrainer(Trainer):
         return loss_sums(
             draft_logits[:, None], target_logits[:, None], labels[:, None], one, None, decay=0.0
         )
-
-    def _forward_backward(self, mb: _MtpMicroBatch, weight_total, mse_weight_total) -> LossSums:
-        hidden = self._position_hidden(mb)
-        h = hidden.detach().requires_grad_()
-        totals = LossSums.zeros(self.device)
-        with self._timed("loss"):
-            for sl in self._loss_chunks(mb.rows.numel(), 1):
-                sums = self._head_sums(h, mb, sl)
-                combine(sums, self.cfg.loss_weights, weight_total, mse_weight_total).backward()
-                totals = totals + sums.detached()
-        with self._timed("drafter"):
-            hidden.backward(h.grad)
-        return totals
-
-    def _micro_batch_loss(self, mb: _MtpMicroBatch) -> LossSums:
-        return self._head_sums(self._position_hidden(mb), mb, slice(None))
 
     # -------------------------------------------------------------- export
     def export(self) -> Path:
