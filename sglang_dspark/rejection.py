@@ -172,3 +172,77 @@ def chain_speculative_sampling_torch(
         on_path, slots, accept_index[:bs, :n_slots].long()
     ).to(accept_index.dtype)
     accept_token_num[:bs] = n.to(accept_token_num.dtype)
+
+
+def _softmax_rows(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / t) per row in float32, with SGLang's `softmax_temp` arithmetic (so a
+    row equals the row SGLang's sampler computes over the whole batch, bit for bit)."""
+    return torch.softmax(logits.to(torch.float32) / temperatures[:, None], dim=-1)
+
+
+def chain_accept_verified(
+    drafts: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    target_temperatures: torch.Tensor,
+    draft_temperatures: torch.Tensor,
+    verify_lens: torch.Tensor,
+    coins: torch.Tensor,
+    final_coins: torch.Tensor,
+    *,
+    broken: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain rejection sampling over the rows each request verifies, and no others.
+
+    drafts [bs, g]; target_logits [bs, >= g + 1, V]; draft_logits [bs, g, V] (None: a greedy
+    draft, one-hot at its token); temperatures [bs]; verify_lens [bs] in 1..g+1, the anchor
+    included (request r checks drafts 1..L_r-1); coins [bs, g] and final_coins [bs] uniform.
+    Returns (accepted drafts n [bs], next token [bs]).
+
+    Softmaxes only the L_r - 1 target and draft rows that check a draft, then one target row
+    (and, after a rejection, one draft row) per request for the next token: the residual
+    norm(max(0, p_t - p_d)) at the first rejection, else a sample of p_t at row L_r - 1.
+    Where L_r = g + 1 this is `chain_rejection_sample` on the same coins, token for token.
+    Where a request verifies fewer drafts than were drafted, the draft after its window is
+    never read: its next token is drawn from the target at the window's end (SGLang's sampler
+    checks one draft more and then caps; both draw that token from p_t). `broken` is a
+    `BROKEN_MODES` name (negative controls only).
+    """
+    mode, scale = parse_broken_mode(broken)
+    bs, g = drafts.shape
+    device = drafts.device
+    limit = verify_lens.to(device=device, dtype=torch.int64).clamp(1, g + 1) - 1  # drafts checked
+    cols = torch.arange(g, device=device)
+    r, j = (cols[None, :] < limit[:, None]).nonzero(as_tuple=True)
+    x = drafts[r, j].long()[:, None]
+    p = _softmax_rows(target_logits[r, j], target_temperatures[r]).gather(1, x)[:, 0]
+    if draft_logits is None:
+        q = torch.ones_like(p)
+    else:
+        q = _softmax_rows(draft_logits[r, j], draft_temperatures[r]).gather(1, x)[:, 0]
+    ok = torch.zeros(bs, g, dtype=torch.bool, device=device)
+    ok[r, j] = (q > 0) & (q <= 1) & (coins[r, j].float() * q < p * scale)
+    n = ok.to(torch.int64).cumprod(1).sum(1)
+    if mode == "accept_all":  # deliberately broken (tests only)
+        n = limit.clone()
+
+    rows = torch.arange(bs, device=device)
+    p_t = _softmax_rows(target_logits[rows, n], target_temperatures)
+    rejected = n < limit
+    draft_row = torch.where(rejected, n, n - 1).clamp(0, g - 1)  # broken mode: the last draft
+    if draft_logits is None:
+        p_d = torch.zeros_like(p_t).scatter_(1, drafts[rows, draft_row].long()[:, None], 1.0)
+    else:
+        p_d = _softmax_rows(draft_logits[rows, draft_row], draft_temperatures)
+    bonus = p_d if mode == "bonus_from_draft" else p_t
+    weights = torch.where(rejected[:, None], _residual(p_t, p_d), bonus)
+    final_coins = final_coins.float()
+    if mode == "no_renorm":
+        token = torch.where(
+            rejected,
+            _sample_cdf(weights, final_coins, renormalise=False),
+            _sample_cdf(weights, final_coins),
+        )
+    else:
+        token = _sample_cdf(weights, final_coins)
+    return n, token

@@ -54,6 +54,7 @@ __all__ = [
     "sps_table_from_points",
     "steps_per_sec",
     "survival",
+    "sync_may_verify",
     "top_k_lengths",
     "verify_capacity",
 ]
@@ -127,31 +128,37 @@ def survival(c: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(c.to(torch.float64).clamp(0.0, 1.0), dim=1)
 
 
-def greedy_path(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidates (r, j) with a[r, j] > 0, sorted by a descending.
-
-    Ties go to the lower position, then the lower request, so each request's positions appear
-    in prefix order. Returns (survival values, request index) along the path, each [N].
-    """
+def _greedy_order(a: torch.Tensor) -> torch.Tensor:
+    """Flat indices (r * gamma + j) of the candidates with a > 0, in path order: a descending,
+    ties to the lower position, then the lower request."""
     R, gamma = a.shape
     flat = a.reshape(-1)
-    req = torch.arange(R, device=a.device).repeat_interleave(gamma)
     pos = torch.arange(gamma, device=a.device).repeat(R)
     # Row-major order is already by request; two stable sorts make it by value, then
     # position, then request (SGLang's top-K kernel orders the same way).
     order = torch.arange(flat.numel(), device=a.device)
     order = order[torch.argsort(pos[order], stable=True)]
     order = order[torch.argsort(-flat[order], stable=True)]
-    order = order[flat[order] > 0]
-    return flat[order], req[order]
+    return order[flat[order] > 0]
+
+
+def greedy_path(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates (r, j) with a[r, j] > 0, sorted by a descending.
+
+    Ties go to the lower position, then the lower request, so each request's positions appear
+    in prefix order. Returns (survival values, request index) along the path, each [N].
+    """
+    order = _greedy_order(a)
+    return a.reshape(-1)[order], order // a.shape[1]
 
 
 def _lengths_from_path(req_on_path: torch.Tensor, take: int, R: int) -> torch.Tensor:
     """Verify lengths when the first `take` candidates of the path are admitted."""
     dev = req_on_path.device
     lengths = torch.zeros(R, dtype=torch.int64, device=dev)
-    return lengths.scatter_add_(0, req_on_path[:take], torch.ones(take, dtype=torch.int64,
-                                                                   device=dev))
+    return lengths.scatter_add_(
+        0, req_on_path[:take], torch.ones(take, dtype=torch.int64, device=dev)
+    )
 
 
 def _path_theta(a_path: torch.Tensor, R: int, sps: SpsTable) -> torch.Tensor:
@@ -180,6 +187,29 @@ def schedule_sync(c: torch.Tensor, sps: SpsTable) -> torch.Tensor:
     improves = theta[1:] > theta[:-1]
     take = int(torch.cumprod(improves.to(torch.int64), 0).sum())
     return _lengths_from_path(req_path, take, R)
+
+
+def sync_may_verify(c_known: torch.Tensor, sps: SpsTable) -> bool:
+    """Whether Algorithm 1 verifies a draft at position k for some request, from the
+    confidences of positions 0..k alone (`c_known` [R, k + 1]). The draft pass asks before it
+    drafts position k (`cpu_draft_until_verifiable`): the confidence of position k needs only
+    the drafts before it.
+
+    Exact, not a bound: every candidate at a later position has survival at most its request's
+    a[r, k], and the greedy order puts the lower position first among equals, so the first
+    position-k candidate on the path comes before every candidate not yet known. Walking the
+    known path up to it decides whether Algorithm 1 admits it (then request r verifies position
+    k) or stops on or before it (then no request verifies position k or any later one,
+    whatever the later drafts are).
+    """
+    a = survival(c_known)
+    R, K = a.shape
+    order = _greedy_order(a)
+    first = ((order % K) == K - 1).nonzero()
+    if not len(first):  # every position-k survival is 0: never on the path
+        return False
+    theta = _path_theta(a.reshape(-1)[order[: int(first[0]) + 1]], R, sps)
+    return bool((theta[1:] > theta[:-1]).all())
 
 
 def verify_capacity(c_lagged: torch.Tensor, sps: SpsTable) -> int:

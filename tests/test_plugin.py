@@ -36,6 +36,8 @@ UPSTREAM_FAILURE = {
     "cpu_rejection_sampler": "0 active drivers",
     "cpu_greedy_markov_step": "Philox noise drawn for an all-greedy step",
     "cpu_sampled_markov_step": "Philox noise drawn in torch for a sampled CPU step",
+    "cpu_verified_rows_accept": "rows past the verify window were read",
+    "cpu_draft_until_verifiable": "the LM head projected 14 positions, 2 are verified",
     "dspark_scheduler_mode": "only supports CUDA, NPU or XPU",  # never reaches a check
     "dspark_sync_scheduler": "budget 8, Algorithm 1 on the current confidences: 1",
     "dspark_sps_startup": "is not the profiled one (flat: scheduling off)",
@@ -91,7 +93,12 @@ def _run_probes(embedded_paths, bad_draft, plugins: bool) -> dict[str, dict]:
     if not plugins:
         env["SGLANG_PLUGINS"] = "none"
     proc = subprocess.run(
-        [sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=900, check=False
+        [sys.executable, str(PROBE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     results = {}
     for line in proc.stdout.splitlines():

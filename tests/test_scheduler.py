@@ -26,6 +26,7 @@ from sglang_dspark.scheduler import (
     sps_table_from_points,
     steps_per_sec,
     survival,
+    sync_may_verify,
     top_k_lengths,
     verify_capacity,
 )
@@ -164,15 +165,15 @@ def problems(draw, max_r=4, max_gamma=4, jagged=True):
     R = draw(st.integers(1, max_r))
     gamma = draw(st.integers(1, max_gamma))
     c = torch.tensor(
-        draw(st.lists(st.lists(confidence, min_size=gamma, max_size=gamma), min_size=R,
-                      max_size=R)),
+        draw(
+            st.lists(st.lists(confidence, min_size=gamma, max_size=gamma), min_size=R, max_size=R)
+        ),
         dtype=torch.float64,
     )
     max_b = R * (gamma + 1)
     if jagged:  # any positive steps/s, on a random subset of probes (floor lookup)
         probes = sorted(draw(st.sets(st.integers(1, max_b), min_size=1, max_size=max_b)))
-        values = draw(st.lists(st.floats(0.05, 2.0), min_size=len(probes),
-                               max_size=len(probes)))
+        values = draw(st.lists(st.floats(0.05, 2.0), min_size=len(probes), max_size=len(probes)))
     else:  # SPS(B) = 1 / (alpha + beta * B): step time affine in the batch tokens
         alpha = draw(st.floats(0.01, 10.0))
         beta = draw(st.floats(0.01, 10.0))
@@ -200,6 +201,40 @@ def test_sync_matches_reference_and_is_prefix_consistent(problem):
     # The same lengths come out of a top-K with K = sum(l): a synchronous mode can reuse
     # SGLang's top-K kernel with this budget.
     assert top_k_lengths(c, int(lengths.sum())).tolist() == ref_lengths
+
+
+@settings(max_examples=400, deadline=None)
+@given(problems(max_r=5, max_gamma=6), st.data())
+def test_the_draft_pass_drafts_exactly_the_longest_verified_window(problem, data):
+    """The draft pass drafts position k while `sync_may_verify` of positions 0..k says yes: it
+    says yes exactly when Algorithm 1 verifies position k for some request, so the pass drafts
+    exactly the longest window any request verifies, whatever the confidences after the
+    stop (k's own is known when the pass decides); its lengths with positions from the stop
+    on at 0 are its lengths."""
+    c, table = problem
+    gamma = c.shape[1]
+    stop = next((k for k in range(gamma) if not sync_may_verify(c[:, : k + 1], table)), gamma)
+    lengths = schedule_sync(c, table)
+    assert int(lengths.max()) == stop
+    later = torch.tensor(data.draw(st.lists(confidence, min_size=c.numel(), max_size=c.numel())),
+                         dtype=torch.float64).view_as(c)  # fmt: skip
+    other = torch.where(torch.arange(gamma)[None, :] > stop, later, c)
+    assert schedule_sync(other, table).tolist() == lengths.tolist()
+    cut = torch.where(torch.arange(gamma)[None, :] >= stop, torch.zeros_like(c), c)
+    assert schedule_sync(cut, table).tolist() == lengths.tolist()
+
+
+def test_drafting_goes_on_while_a_request_may_still_verify():
+    """Confident requests under a flat SPS (verifying is free): every position may be verified;
+    a batch whose first drafts do not pay under a steep SPS stops at once."""
+    c = torch.full((3, 5), 0.9, dtype=torch.float64)
+    flat = sps_table_from_points([1, 64], [1.0, 1.0])
+    assert all(sync_may_verify(c[:, : k + 1], flat) for k in range(5))
+    steep = sps_table_from_points(list(range(1, 20)), [1.0 / b for b in range(1, 20)])
+    low = torch.full((3, 5), 0.2, dtype=torch.float64)
+    assert not sync_may_verify(low[:, :2], steep)
+    assert schedule_sync(low, steep).tolist() == [0, 0, 0]
+    assert not sync_may_verify(torch.zeros(2, 1, dtype=torch.float64), flat)
 
 
 def _path_thetas(c, table) -> list[float]:
@@ -272,8 +307,13 @@ def test_async_capacity_never_depends_on_current_confidences(problem, data):
     k = verify_capacity(c_lagged, table)
     for _ in range(3):
         c_now = torch.tensor(
-            data.draw(st.lists(st.lists(positive_confidence, min_size=gamma, max_size=gamma),
-                               min_size=R, max_size=R)),
+            data.draw(
+                st.lists(
+                    st.lists(positive_confidence, min_size=gamma, max_size=gamma),
+                    min_size=R,
+                    max_size=R,
+                )
+            ),
             dtype=torch.float64,
         )
         lengths = schedule_async(c_lagged, c_now, table)
@@ -322,8 +362,9 @@ def test_async_matches_sglang_planner(problem, data):
 
     def draw_c():
         return torch.tensor(
-            data.draw(st.lists(st.lists(dyadic, min_size=gamma, max_size=gamma),
-                               min_size=R, max_size=R)),
+            data.draw(
+                st.lists(st.lists(dyadic, min_size=gamma, max_size=gamma), min_size=R, max_size=R)
+            ),
             dtype=torch.float32,
         )
 
@@ -361,14 +402,19 @@ def test_static_counts_leading_positions():
 
 
 def test_steps_per_sec_matches_sglang_lookups():
-    table = SpsCostTable(sample_batch_tokens=[4, 8, 32], sample_steps_per_sec=[50.0, 40.0, 10.0],
-                         max_batch_tokens=64)
+    table = SpsCostTable(
+        sample_batch_tokens=[4, 8, 32], sample_steps_per_sec=[50.0, 40.0, 10.0], max_batch_tokens=64
+    )
     bs = torch.arange(1, 70)
     got = steps_per_sec(table, bs, num_requests=3)
     assert got.tolist() == [table.lookup(int(b)) for b in bs]
-    add = SpsAdditiveCostTable(bias_seconds=0.01, bs_probes=[1, 8, 64],
-                               alpha_seconds=[0.001, 0.002, 0.01], m_probes=[1, 16, 128],
-                               theta_seconds=[0.0, 0.004, 0.05])
+    add = SpsAdditiveCostTable(
+        bias_seconds=0.01,
+        bs_probes=[1, 8, 64],
+        alpha_seconds=[0.001, 0.002, 0.01],
+        m_probes=[1, 16, 128],
+        theta_seconds=[0.0, 0.004, 0.05],
+    )
     for r in (1, 5, 100):
         got = steps_per_sec(add, bs, num_requests=r)
         want = [1.0 / add.step_time(num_reqs=r, budget=int(b) - r) for b in bs]
@@ -380,11 +426,18 @@ def test_sps_table_roundtrip_through_sglang_files(tmp_path):
     path = tmp_path / "sps.json"
     save_sps_table(table, path)
     assert json.loads(path.read_text()) == {
-        "sample_batch_tokens": [1, 2, 8], "sample_steps_per_sec": [1.0, 0.9, 0.4],
-        "max_batch_tokens": 8}
+        "sample_batch_tokens": [1, 2, 8],
+        "sample_steps_per_sec": [1.0, 0.9, 0.4],
+        "max_batch_tokens": 8,
+    }
     assert load_sps_table(path) == table
-    add = SpsAdditiveCostTable(bias_seconds=0.01, bs_probes=[1], alpha_seconds=[0.0],
-                               m_probes=[1, 9], theta_seconds=[0.0, 0.01])
+    add = SpsAdditiveCostTable(
+        bias_seconds=0.01,
+        bs_probes=[1],
+        alpha_seconds=[0.0],
+        m_probes=[1, 9],
+        theta_seconds=[0.0, 0.01],
+    )
     save_sps_table(add, path)
     assert load_sps_table(path) == add
 

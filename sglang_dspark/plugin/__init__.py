@@ -37,7 +37,9 @@ class PluginRefusal(SystemExit):
 
 def _hooks():
     from sglang_dspark.plugin import (
+        cpu_accept,
         cpu_attention,
+        cpu_draft,
         cpu_dspark,
         cpu_eagle,
         cpu_engine,
@@ -72,6 +74,8 @@ def _hooks():
         **cpu_markov.HOOKS,
         **cpu_memory.HOOKS,
         **cpu_sampling.HOOKS,
+        **cpu_accept.HOOKS,
+        **cpu_draft.HOOKS,
         **draft_validation.HOOKS,
         **scheduling.HOOKS,
         **sts_collect.HOOKS,

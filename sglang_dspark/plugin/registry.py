@@ -90,6 +90,21 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
         "uniform_samples_for_final_sampling, target_probs, draft_probs, threshold_single, "
         "threshold_acc, deterministic, *, block_verification=False)"
     ),
+    # cpu_verified_rows_accept
+    "sglang.srt.speculative.dspark_components.dspark_verify.accept_draft_tokens": (
+        "(*, candidates, target_logits, draft_block, sampling_info, draft_input, gamma, "
+        "verify_num_draft_tokens, cutoff_layout=None, fused_argmax=False, "
+        "block_verification=False, rejection_noise=None)"
+    ),
+    # cpu_draft_until_verifiable
+    "sglang.srt.speculative.dspark_components.dspark_draft.DraftBlockProposer.propose": (
+        "(self, *, batch, draft_input, verify_window, bs, device, target_model, sampling_info, "
+        "anchor_prepared=False)"
+    ),
+    "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2.__init__": (
+        "(self, server_args, gpu_id, nccl_port, target_worker, "
+        "draft_worker_cls=<class 'sglang.srt.managers.tp_worker.TpModelWorker'>)"
+    ),
     # dspark_sync_scheduler
     "sglang.srt.speculative.dspark_components.dspark_planner.HostConfidenceBudgetPlanner"
     ".compute_budget": (

@@ -45,20 +45,23 @@ def broken_sampler_mode() -> str | None:
 
 
 def install() -> None:
-    """Route every CPU verification (DSPARK's chain sampler and the EAGLE/MTP-1 target-only
-    sampler both call ``rejection.chain_speculative_sampling_torch``) through the switch."""
+    """Route every CPU verification through the switch: DSPARK's verified-rows accept
+    (``rejection.chain_accept_verified``), and the chain sampler that DSPARK's accept falls
+    back to and the EAGLE/MTP-1 target-only sampler both call
+    (``rejection.chain_speculative_sampling_torch``)."""
     from sglang_dspark import rejection
 
-    honest = rejection.chain_speculative_sampling_torch
-    if getattr(honest, "_test_controls", False):
-        return
+    for name in ("chain_speculative_sampling_torch", "chain_accept_verified"):
+        honest = getattr(rejection, name)
+        if getattr(honest, "_test_controls", False):
+            continue
 
-    @functools.wraps(honest)
-    def switched(*args, broken=None, **kwargs):
-        return honest(*args, broken=broken or broken_sampler_mode(), **kwargs)
+        def switched(*args, broken=None, _honest=honest, **kwargs):
+            return _honest(*args, broken=broken or broken_sampler_mode(), **kwargs)
 
-    switched._test_controls = True
-    rejection.chain_speculative_sampling_torch = switched
+        functools.update_wrapper(switched, honest)
+        switched._test_controls = True
+        setattr(rejection, name, switched)
 
 
 def register() -> None:

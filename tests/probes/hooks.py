@@ -46,7 +46,10 @@ def cpu_sgl_kernel_ops():
     start, end = torch.tensor([3, 0]), torch.tensor([6, 2])
     locs = torch.tensor([10, 11, 12, 20, 21], dtype=torch.int64)
     assign_req_to_token_pool_func(rpi, req_to_token, start, end, locs, 2)
-    assert req_to_token[2, 3:6].tolist() == [10, 11, 12] and req_to_token[0, :2].tolist() == [20, 21]
+    assert req_to_token[2, 3:6].tolist() == [10, 11, 12] and req_to_token[0, :2].tolist() == [
+        20,
+        21,
+    ]
     out = assign_extend_cache_locs_func(
         req_pool_indices=rpi, req_to_token=req_to_token, start_offset=start, end_offset=end,
         batch_size=2, draft_token_num=3, device="cpu",
@@ -197,7 +200,11 @@ def torch_native_target_verify():
         seq_lens=torch.tensor([ctx]), out_cache_loc=out_loc, extend_prefix_lens=None,
         extend_seq_lens=None, encoder_lens=None, extend_seq_lens_cpu=None,
     )  # fmt: skip
-    q, k, v = torch.randn(win, heads * dim), torch.randn(win, kv_heads * dim), torch.randn(win, kv_heads * dim)
+    q, k, v = (
+        torch.randn(win, heads * dim),
+        torch.randn(win, kv_heads * dim),
+        torch.randn(win, kv_heads * dim),
+    )
     for attn_type, causal in [(AttentionType.DECODER, True), (AttentionType.ENCODER_ONLY, False)]:
         layer = SimpleNamespace(
             tp_q_head_num=heads, tp_k_head_num=kv_heads, tp_v_head_num=kv_heads, qk_head_dim=dim,
@@ -393,6 +400,123 @@ def dspark_sync_scheduler():
     want = (1 + schedule_sync(c, flat)).tolist()
     assert lens.tolist() == want, (
         f"verify_lens {lens.tolist()} from SGLang's top-K, Algorithm 1's: {want}"
+    )
+
+
+@probe
+def cpu_verified_rows_accept():
+    """A sampled accept with drafts past each verify window that are not tokens at all (id 45
+    of 40) and NaN logits there: only the rows inside the windows may be read."""
+    from sglang.kernels.ops.speculative.dspark import dspark_accept
+    from sglang.srt.speculative.dspark_components import dspark_verify
+    from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockResult
+
+    from sglang_dspark import rejection
+
+    bs, gamma, vocab = 2, 3, 40
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.tensor([2, 4])  # request 0 verifies 1 draft, request 1 all 3
+    target = torch.randn(bs, gamma + 1, vocab, generator=gen)
+    draft = torch.randn(bs, gamma, vocab, generator=gen)
+    drafts = torch.randint(0, vocab, (bs, gamma), generator=gen)
+    drafts[0, 1:] = 45
+    draft[0, 1:] = float("nan")
+    target[0, 2:] = float("nan")
+    info = SimpleNamespace(is_all_greedy=False, is_any_greedy=False, need_top_k_sampling=False,
+                           need_top_p_sampling=False, temperatures=torch.ones(bs, 1))  # fmt: skip
+    block = DraftBlockResult(draft_tokens=drafts, corrected_logits=draft,
+                             greedy_mask=torch.zeros(bs, dtype=torch.bool),
+                             temperatures=torch.ones(bs), greedy_draft=False)  # fmt: skip
+    sampler = dspark_accept.chain_speculative_sampling_triton
+    if os.environ.get("SGLANG_PLUGINS") == "none":  # upstream: its sampler needs Triton
+        dspark_accept.chain_speculative_sampling_triton = rejection.chain_speculative_sampling_torch
+    try:
+        correct, bonus, _ = dspark_verify.accept_draft_tokens(
+            candidates=torch.cat([torch.zeros(bs, 1, dtype=torch.long), drafts], 1),
+            target_logits=target.view(-1, vocab), draft_block=block, sampling_info=info,
+            draft_input=None, gamma=gamma, verify_num_draft_tokens=gamma + 1,
+            cutoff_layout=SimpleNamespace(verify_lens=lens),
+        )  # fmt: skip
+    except (IndexError, RuntimeError) as exc:
+        raise AssertionError(f"rows past the verify window were read ({exc})") from exc
+    finally:
+        dspark_accept.chain_speculative_sampling_triton = sampler
+    assert (correct <= lens - 1).all() and ((bonus >= 0) & (bonus < vocab)).all(), (correct, bonus)
+
+
+class _ProbeDraft(torch.nn.Module):
+    """A DSPARK draft head on random weights whose confidence is 0.3 at every position; counts
+    the positions its LM head projects."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        from sglang.srt.models.dspark import DSparkConfidenceHead, VanillaMarkov
+
+        super().__init__()
+        self.markov_head = VanillaMarkov(vocab_size=vocab, markov_rank=4)
+        self.confidence_head = DSparkConfidenceHead(hidden_size=hidden, markov_rank=4)
+        torch.nn.init.zeros_(self.confidence_head.proj.weight)
+        torch.nn.init.constant_(self.confidence_head.proj.bias, -0.8473)  # logit(0.3)
+        self.lm = torch.nn.Linear(hidden, vocab, bias=False)
+        self.sample_from_anchor = True
+        self.positions = 0
+
+    def compute_base_logits(self, hidden):
+        self.positions += hidden.reshape(-1, hidden.shape[-1]).shape[0]
+        return self.lm(hidden), hidden
+
+    def compute_confidence(self, *, anchor_tokens, draft_tokens, confidence_features):
+        return self.confidence_head.predict(
+            confidence_features, anchor_tokens=anchor_tokens, draft_tokens=draft_tokens,
+            markov_head=self.markov_head,
+        )  # fmt: skip
+
+
+@probe
+def cpu_draft_until_verifiable():
+    """A greedy sync step of 2 requests, 7 drafts each, confidence 0.3 everywhere and an SPS
+    table where only each request's first draft pays: the LM head may project only those."""
+    from sglang.srt.speculative.dspark_components.dspark_draft import (
+        DraftBlockProposer,
+        DraftNoise,
+    )
+    from sglang.srt.speculative.dspark_components.dspark_planner import DSparkScheduleConfig
+
+    from sglang_dspark.scheduler import schedule_sync
+
+    bs, gamma, hidden, vocab = 2, 7, 16, 40
+    torch.manual_seed(0)
+    model = _ProbeDraft(hidden, vocab)
+    raw = torch.randn(bs * gamma, hidden)
+    ids = torch.zeros(bs, gamma, dtype=torch.long)
+    ids[:, 0] = torch.tensor([3, 5])
+    table = _sps_table(list(range(1, 65)), [1.0 / (0.05 + 0.01 * b) for b in range(1, 65)])
+    noise = DraftNoise(key=7, offset=torch.zeros(1, dtype=torch.int64))
+    proposer = SimpleNamespace(
+        draft_model=model, gamma=gamma, sample_from_anchor=True, _draft_sampler=None,
+        _greedy_draft=False, _noise=noise, noise=noise,
+        _tp_sync=SimpleNamespace(sync=lambda site, x: x),
+        _base_logits_context=contextlib.nullcontext,
+        _run_forward=lambda **kw: SimpleNamespace(
+            draft_block_ids=ids, raw_hidden=raw, draft_hidden_3d=raw.view(bs, gamma, -1),
+            can_run_graph=False),
+        _dspark_verify_planner=SimpleNamespace(_budget_planner=SimpleNamespace(
+            sps_table=table, cfg=DSparkScheduleConfig(gamma=gamma), forced_budget_frac=None)),
+    )  # fmt: skip
+    target = SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(vocab, hidden))
+    os.environ["SGLANG_DSPARK_SCHEDULER"] = "sync"
+    try:
+        with torch.inference_mode():
+            proposal = DraftBlockProposer.propose(
+                proposer, batch=None, draft_input=None, verify_window=None, bs=bs,
+                device="cpu", target_model=target, sampling_info=None,
+            )  # fmt: skip
+    finally:
+        os.environ.pop("SGLANG_DSPARK_SCHEDULER", None)
+    lengths = schedule_sync(proposal.confidence.double(), table)
+    verified = int(lengths.max())
+    assert verified == 1, lengths
+    assert model.positions == bs * verified, (
+        f"the LM head projected {model.positions} positions, {bs * verified} are verified"
     )
 
 
@@ -798,7 +922,9 @@ def v4_cpu_sparse_attention():
     for row, (rows, extra_rows) in enumerate([([0, 1, 2, 3, 4], [7, 70]), ([257, 260, 299], [])]):
         keys = dequantize_v4_rows(swa, torch.tensor(rows), swa_page)
         if extra_rows:
-            keys = torch.cat([keys, dequantize_v4_rows(extra, torch.tensor(extra_rows), extra_page)])
+            keys = torch.cat(
+                [keys, dequantize_v4_rows(extra, torch.tensor(extra_rows), extra_page)]
+            )
         scores = q[row, 0].float() @ keys.T * 512**-0.5  # [heads, keys]
         weights = torch.exp(scores - torch.logaddexp(scores.logsumexp(-1), sink)[:, None])
         torch.testing.assert_close(out[row, 0].float(), (weights @ keys).to(torch.bfloat16).float(),
@@ -878,9 +1004,13 @@ def v4_cpu_norm_rope():
     q = torch.randn(3, 4, 512, dtype=torch.bfloat16)
     q_out = torch.empty_like(q)
     fused_q_norm_rope(q, q_out, 1e-6, freqs, pos)
-    normed = (q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + 1e-6))
-    tail = torch.view_as_complex(normed.to(torch.bfloat16).float()[..., 448:].unflatten(-1, (32, 2)))
-    want = torch.cat([normed[..., :448], torch.view_as_real(tail * freqs[pos][:, None]).flatten(-2)], -1)
+    normed = q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    tail = torch.view_as_complex(
+        normed.to(torch.bfloat16).float()[..., 448:].unflatten(-1, (32, 2))
+    )
+    want = torch.cat(
+        [normed[..., :448], torch.view_as_real(tail * freqs[pos][:, None]).flatten(-2)], -1
+    )
     torch.testing.assert_close(q_out.float(), want, rtol=1e-2, atol=1e-2)
     undo = q_out[..., 448:].clone()
     fused_rope_inplace(undo, None, freqs, pos, inverse=True)
