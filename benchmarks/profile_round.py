@@ -33,7 +33,8 @@ import threading
 import time
 from pathlib import Path
 
-# arm -> (embedded arm, extra environment)
+# arm -> (embedded arm, extra environment); "@N" stands for a draft-vocabulary file of the N
+# most frequent response tokens of the in-tree training data, built on first use
 ARMS = {
     "plain": ("plain", {}),
     "mtp1": ("mtp1", {}),
@@ -42,32 +43,59 @@ ARMS = {
         "dspark",
         {"SGLANG_DSPARK_DISABLE_HOOKS": "cpu_verified_rows_accept,cpu_draft_until_verifiable"},
     ),
-    # the accept over verified rows only, the full draft pass
+    # the accept over verified rows only, SGLang's full draft pass
     "dspark-accept": ("dspark", {"SGLANG_DSPARK_DRAFT_EARLY_STOP": "0"}),
-    "dspark": ("dspark", {}),  # the shipped default: both hooks
+    # and the draft pass stopping where nothing more is verified, over the full vocabulary
+    "dspark-stop": ("dspark", {"SGLANG_DSPARK_DRAFT_VOCAB": "full"}),
+    **{
+        f"dspark-vocab{n}": ("dspark", {"SGLANG_DSPARK_DRAFT_VOCAB": f"@{n}"})
+        for n in (8192, 16384, 32768)
+    },
+    "dspark": ("dspark", {}),  # the shipped default
 }
+TRAIN_DATA = Path(__file__).resolve().parents[1] / "recipes/data/smollm2-regen-t07"
 
-# term -> substrings of py-spy frames ("function (file"); a sample counts for a term when any
-# frame of its stack matches
+
+def resolve_vocab(env: dict, target, out_dir: Path) -> dict:
+    """`env` with an "@N" draft vocabulary replaced by the file (made once in `out_dir`)."""
+    value = env.get("SGLANG_DSPARK_DRAFT_VOCAB", "")
+    if not value.startswith("@"):
+        return env
+    from transformers import AutoConfig, AutoTokenizer
+
+    from sglang_dspark.drafter import draft_vocab
+    from sglang_dspark.drafter.data import load_sequences
+
+    path = out_dir / f"draft-vocab-{value[1:]}.safetensors"
+    if not path.is_file():
+        vocab = int(AutoConfig.from_pretrained(target).vocab_size)
+        counts = draft_vocab.token_counts(load_sequences(TRAIN_DATA, max_length=4096), vocab)
+        special = AutoTokenizer.from_pretrained(target).all_special_ids
+        ids = draft_vocab.top_tokens(counts, int(value[1:]), [t for t in special if t < vocab])
+        draft_vocab.save_draft_vocab(path, ids, vocab)
+    return {**env, "SGLANG_DSPARK_DRAFT_VOCAB": str(path)}
+
+
+# term -> substrings of py-spy frames ("Class.function (path/file.py:line)"); a sample counts
+# for a term when any frame of its stack matches
 TERMS = {
     "draft": [
-        "propose (dspark_draft.py",
-        "_propose (cpu_draft.py",
-        "draft (eagle_worker_v2.py",
-        "_draft_extend_for_decode (eagle_worker_v2.py",
+        "DraftBlockProposer.propose (",
+        "_propose (sglang_dspark/plugin/cpu_draft.py",
+        "EagleDraftWorker.draft (",
+        "EagleDraftWorker._draft_extend_for_decode (",
     ],
-    "draft_forward": ["_run_forward (dspark_draft.py", "draft_forward (eagle_worker_v2.py"],
-    "lm_head": ["compute_base_logits (dspark.py"],
-    "markov": ["_draft_step (dspark_draft.py"],
-    "confidence": ["compute_confidence (dspark.py"],
+    "draft_forward": ["DraftBlockProposer._run_forward (", "EagleDraftWorker.draft_forward ("],
+    "lm_head": ["compute_base_logits (", "subset_base_logits ("],
+    "markov": ["_draft_step (", "subset_step ("],
+    "confidence": ["compute_confidence ("],
     "verify": [
-        "run_compact (dspark_verify.py",
-        "run_non_compact (dspark_verify.py",
-        "verify (eagle_worker_v2.py",
+        "TargetVerifyExecutor.run_compact (",
+        "TargetVerifyExecutor.run_non_compact (",
+        "EAGLEWorkerV2.verify (",
     ],
     "accept": [
-        "accept_and_finalize (dspark_verify.py",
-        "_accept (cpu_accept.py",
+        "TargetVerifyExecutor.accept_and_finalize (",
         "tree_speculative_sampling_target_only",
         "verify_tree_greedy",
     ],
@@ -205,6 +233,7 @@ def main(argv=None) -> int:
         order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
         for arm in order:
             kind, env = ARMS[arm]
+            env = resolve_vocab(env, paths.target, stacks)
             port = free_port()
             cmd = embedded.launch_command(paths, port=port, speculative=kind != "plain",
                                           arm="dspark" if kind == "plain" else kind)  # fmt: skip

@@ -117,6 +117,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
          "export a trained / DeepSpec drafter as an SGLang checkpoint"),
         ("train", "sglang_dspark.drafter.train", "add_arguments", "run",
          "train a DSpark drafter against a frozen target"),
+        ("draft-vocab", "sglang_dspark.drafter.draft_vocab", "add_arguments", "run",
+         "a reduced draft vocabulary: the N most frequent response tokens of the training data"),
         ("bundle-v4-draft", "sglang_dspark.drafter.checkpoint_v4", "add_bundle_arguments",
          "run_bundle", "bundle a trained DeepSeek-V4 DSpark draft into a copy of its target"),
         ("evaluate", "sglang_dspark.evaluation", "add_arguments", "run",

@@ -190,6 +190,7 @@ def chain_accept_verified(
     coins: torch.Tensor,
     final_coins: torch.Tensor,
     *,
+    draft_vocab: torch.Tensor | None = None,
     broken: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain rejection sampling over the rows each request verifies, and no others.
@@ -206,7 +207,9 @@ def chain_accept_verified(
     Where a request verifies fewer drafts than were drafted, the draft after its window is
     never read: its next token is drawn from the target at the window's end (SGLang's sampler
     checks one draft more and then caps; both draw that token from p_t). `broken` is a
-    `BROKEN_MODES` name (negative controls only).
+    `BROKEN_MODES` name (negative controls only). `draft_vocab` [N] (target ids, ascending):
+    the draft logits are over those tokens only ([bs, g, N]), the draft distribution is 0 on
+    every other token.
     """
     mode, scale = parse_broken_mode(broken)
     bs, g = drafts.shape
@@ -216,10 +219,18 @@ def chain_accept_verified(
     r, j = (cols[None, :] < limit[:, None]).nonzero(as_tuple=True)
     x = drafts[r, j].long()[:, None]
     p = _softmax_rows(target_logits[r, j], target_temperatures[r]).gather(1, x)[:, 0]
+    vocab = target_logits.shape[-1]
+    if draft_vocab is not None:
+        where = torch.full((vocab,), -1, dtype=torch.int64, device=device)
+        where[draft_vocab] = torch.arange(len(draft_vocab), device=device)
     if draft_logits is None:
         q = torch.ones_like(p)
-    else:
+    elif draft_vocab is None:
         q = _softmax_rows(draft_logits[r, j], draft_temperatures[r]).gather(1, x)[:, 0]
+    else:  # the draft's column of x, 0 where x is outside the draft vocabulary
+        col = where[x[:, 0]]
+        q = _softmax_rows(draft_logits[r, j], draft_temperatures[r])
+        q = torch.where(col >= 0, q.gather(1, col.clamp(min=0)[:, None])[:, 0], 0.0)
     ok = torch.zeros(bs, g, dtype=torch.bool, device=device)
     ok[r, j] = (q > 0) & (q <= 1) & (coins[r, j].float() * q < p * scale)
     n = ok.to(torch.int64).cumprod(1).sum(1)
@@ -234,6 +245,8 @@ def chain_accept_verified(
         p_d = torch.zeros_like(p_t).scatter_(1, drafts[rows, draft_row].long()[:, None], 1.0)
     else:
         p_d = _softmax_rows(draft_logits[rows, draft_row], draft_temperatures)
+        if draft_vocab is not None:
+            p_d = torch.zeros_like(p_t).index_copy_(1, draft_vocab, p_d)
     bonus = p_d if mode == "bonus_from_draft" else p_t
     weights = torch.where(rejected[:, None], _residual(p_t, p_d), bonus)
     final_coins = final_coins.float()

@@ -161,3 +161,69 @@ def test_broken_modes_are_caught(mode):
     for seed in range(2):
         report = _audit(mode, seed)
         assert not report.passed, f"{mode}, seed {seed}: {report.summary()}"
+
+
+# ---------------------------------------------------------------- a reduced draft vocabulary
+def test_a_draft_vocabulary_is_the_full_one_with_the_rest_at_zero():
+    """Draft logits over N ids give the tokens the full-width call gives with every other
+    logit at -inf (the draft distribution 0 there), on the same coins."""
+    bs = 256
+    target, draft, temps, _, coins, final = _block(bs, 5)
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(6))[:24].sort().values
+    gen = torch.Generator().manual_seed(7)
+    sub = draft[..., ids]
+    drafts = ids[torch.multinomial(sub.softmax(-1).view(-1, len(ids)), 1, generator=gen)]
+    drafts = drafts.view(bs, G)
+    drafts[0, 0] = int(torch.tensor([t for t in range(V) if t not in ids.tolist()][0]))
+    lens = torch.randint(1, G + 2, (bs,), generator=gen)
+    full = torch.full_like(draft, float("-inf"))
+    full[..., ids] = sub
+    n, token = chain_accept_verified(drafts, target, sub, temps, temps, lens, coins, final,
+                                     draft_vocab=ids)  # fmt: skip
+    n_ref, token_ref = chain_accept_verified(drafts, target, full, temps, temps, lens, coins, final)
+    assert torch.equal(n, n_ref) and torch.equal(token, token_ref)
+    assert int(n[0]) == 0 or int(lens[0]) == 1  # a token the draft cannot propose is rejected
+
+
+def _subset_continuations(logits, draft, p_0, n, gen, ids, gamma=3):
+    """As `_continuations`, the draft restricted to the ids (logits over them only)."""
+    rows = torch.arange(n)
+    out = torch.full((n, LENGTH + gamma + 1), -1, dtype=torch.long)
+    out[:, 0] = torch.multinomial(p_0.expand(n, -1), 1, generator=gen)[:, 0]
+    length = torch.ones(n, dtype=torch.long)
+    temps = torch.ones(n)
+    sub = draft[:, ids]
+    while (length < LENGTH).any():
+        cur = out[rows, length - 1]
+        chain, drafts = [cur], []
+        for _ in range(gamma):
+            cur = ids[torch.multinomial(sub[cur].softmax(-1), 1, generator=gen)[:, 0]]
+            drafts.append(cur)
+            chain.append(cur)
+        drafts = torch.stack(drafts, 1)
+        chain = torch.stack(chain, 1)
+        lens = torch.randint(1, gamma + 2, (n,), generator=gen)
+        k, token = chain_accept_verified(
+            drafts, logits[chain], sub[chain[:, :gamma]], temps, temps, lens,
+            torch.rand(n, gamma, generator=gen), torch.rand(n, generator=gen), draft_vocab=ids,
+        )  # fmt: skip
+        tokens = torch.cat([drafts, torch.zeros(n, 1, dtype=torch.long)], 1)
+        tokens[rows, k] = token
+        for j in range(gamma + 1):
+            write = (j <= k) & (length < LENGTH)
+            out[rows[write], length[write]] = tokens[write, j]
+            length = length + write.long()
+    return out[:, :LENGTH].tolist()
+
+
+def test_a_draft_vocabulary_is_lossless():
+    """Half the tokens in the draft vocabulary: the continuations are still the target's."""
+    logits, draft, p_0 = _chain_model()
+    ids = torch.arange(0, V, 2)
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(300 + seed)
+        test = [_subset_continuations(logits, draft, p_0[i], SAMPLES, gen, ids)
+                for i in range(PROMPTS)]  # fmt: skip
+        ref = [_reference(logits, p_0[i], SAMPLES, gen) for i in range(PROMPTS)]
+        report = compare_samples(test, ref, [1, 2, 3], joint_positions=(0, 1, 2), alpha=0.01)
+        assert report.passed, report.summary()

@@ -108,6 +108,8 @@ def _accept(
         verify_lens,
         coins,
         final_coins,
+        # a reduced draft vocabulary (`cpu_draft_until_verifiable`) rides on its logits
+        draft_vocab=getattr(draft_block.corrected_logits, "dspark_draft_vocab", None),
     )
     correct_len = n.to(torch.int32)
     bonus = token.to(torch.int64)

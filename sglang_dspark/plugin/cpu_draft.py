@@ -6,12 +6,15 @@ confidence head and the scheduler how many drafts each request verifies. At 4 us
 mean verify window is about 3 slots of 8 (anchor included) and positions 5-7 are verified in
 well under 1% of rounds, yet they cost as much as the first.
 
-With `SGLANG_DSPARK_SCHEDULER=sync` on a CPU device this hook drafts position by position:
-the confidence of position k needs only the drafts before it (the head reads the hidden state
-and the Markov embedding of the previous token), so before position k's LM head and Markov
+With `SGLANG_DSPARK_SCHEDULER=sync` on a CPU device this hook runs the Markov steps position
+by position: the confidence of position k needs only the drafts before it (the head reads the
+hidden state and the Markov embedding of the previous token), so before position k's Markov
 step it asks `scheduler.sync_may_verify` whether Algorithm 1 verifies position k for any
 request, which the confidences of positions 0..k decide exactly; at the first position where
 no request does, the pass stops. So it drafts exactly the longest window the step verifies.
+The LM head still projects all gamma positions in one call: on a CPU it is bound by reading
+its weight (57 MB in bf16 for SmolLM2), once per call, so one call per position cost more
+than it saved (measured: 24 ms against 6 ms at 4 users, `benchmarks/profile_round.py`).
 Positions not drafted get confidence 0 (raw logit the dtype's minimum), which leaves
 Algorithm 1's lengths unchanged, token 0 and step logits 0, and are never read: the verify
 window ends before them, the greedy accept caps there and draws its bonus from the target, and
@@ -37,6 +40,8 @@ PROPOSE = "sglang.srt.speculative.dspark_components.dspark_draft.DraftBlockPropo
 WORKER_INIT = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2.__init__"
 SWITCH_ENV = "SGLANG_DSPARK_DRAFT_EARLY_STOP"
 PLANNER_ATTR = "_dspark_verify_planner"  # the worker's verify planner, on its proposer
+VOCAB_ENV = "SGLANG_DSPARK_DRAFT_VOCAB"
+VOCAB_ATTR = "_dspark_draft_vocab"  # the proposer's draft vocabulary (None: the full one)
 
 
 def enabled() -> bool:
@@ -116,6 +121,7 @@ def _propose(
     )
     from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 
+    from sglang_dspark.plugin.cpu_markov import stream_seed
     from sglang_dspark.scheduler import sync_may_verify
 
     model = proposer.draft_model
@@ -138,7 +144,17 @@ def _propose(
     )
     block_ids = fwd.draft_block_ids
     anchor = block_ids[:, 0]
-    hidden = fwd.raw_hidden.view(bs, gamma, -1)
+    # All positions through the LM head in one call: on a CPU it is bound by reading its 49k x
+    # hidden weight, which one call reads once whatever the rows (a call per position read it
+    # once per position and was slower than drafting everything).
+    subset = _draft_vocab(proposer)
+    if subset is None:
+        with proposer._base_logits_context():
+            base_logits, features = model.compute_base_logits(fwd.raw_hidden)
+    else:
+        features = fwd.raw_hidden
+        base_logits = subset_base_logits(model, subset, features)
+    base_logits = base_logits.view(bs, gamma, -1)
     params = resolve_draft_params(sampling_info=sampling_info, bs=bs, device=device)
     greedy = bool(proposer._greedy_draft)
     cfg = budget.cfg
@@ -147,7 +163,15 @@ def _propose(
     floor = max(int(cfg.min_verify_len), 1) - 1
 
     tokens = torch.zeros((bs, gamma), dtype=torch.int64, device=device)
-    logits_out = None
+    logits_out = (
+        None
+        if greedy
+        else torch.zeros(
+            (bs, gamma, base_logits.shape[-1]),
+            dtype=markov.step_logits_dtype(base_logits.dtype),
+            device=base_logits.device,
+        )
+    )
     state = markov.init_state(fwd.draft_hidden_3d)
     prev = anchor.long()
     confidence = confidence_raw = None
@@ -155,42 +179,41 @@ def _propose(
     for k in range(gamma):
         # position k's confidence reads the drafts before k only; later columns are filler
         confidence, confidence_raw = model.compute_confidence(
-            anchor_tokens=anchor, draft_tokens=tokens, confidence_features=fwd.raw_hidden
+            anchor_tokens=anchor, draft_tokens=tokens, confidence_features=features
         )
         if k >= max_len or (
             k >= floor and not sync_may_verify(confidence[:, : k + 1], budget.sps_table)
         ):
             break
-        with proposer._base_logits_context():
-            base, _ = model.compute_base_logits(hidden[:, k])
-        if logits_out is None and not greedy:
-            logits_out = torch.zeros(
-                (bs, gamma, base.shape[-1]),
-                dtype=markov.step_logits_dtype(base.dtype),
-                device=base.device,
+        if subset is None:
+            prev, state = _draft_step(
+                markov,
+                prev,
+                base_logits[:, k],
+                hidden_states=None if fwd.draft_hidden_3d is None else fwd.draft_hidden_3d[:, k],
+                state=state,
+                temperatures=params.step_temperatures,
+                noise=proposer.noise,
+                step=k,
+                logits_out=None if greedy else logits_out[:, k],
             )
-        prev, state = _draft_step(
-            markov,
-            prev,
-            base,
-            hidden_states=None if fwd.draft_hidden_3d is None else fwd.draft_hidden_3d[:, k],
-            state=state,
-            temperatures=params.step_temperatures,
-            noise=proposer.noise,
-            step=k,
-            logits_out=None if greedy else logits_out[:, k],
-        )
+        else:
+            prev = subset_step(
+                markov,
+                subset,
+                prev,
+                base_logits[:, k],
+                temperatures=params.step_temperatures,
+                seed=stream_seed(proposer.noise.key, int(proposer.noise.offset.item()), k),
+                logits_out=None if greedy else logits_out[:, k],
+            )
         prev = proposer._tp_sync.sync(SpecTpSyncSite.DSPARK_DRAFT, prev)
         tokens[:, k] = prev
         drafted = k + 1
     if not greedy:
-        if logits_out is None:
-            logits_out = torch.zeros(
-                (bs, gamma, markov.vocab_size),
-                dtype=markov.step_logits_dtype(hidden.dtype),
-                device=hidden.device,
-            )
-        proposer.noise.offset.add_(1)  # one block drawn, as SGLang's pass counts
+        proposer.noise.offset.add_(1)
+        if subset is not None:  # the accept reads the proposal over these target ids
+            logits_out.dspark_draft_vocab = subset.ids  # one block drawn, as SGLang's pass counts
     if drafted < gamma:
         confidence = confidence.clone()
         confidence[:, drafted:] = 0.0
@@ -210,6 +233,123 @@ def _propose(
         confidence=confidence,
         confidence_raw=confidence_raw,
     )
+
+
+class DraftVocab:
+    """The draft vocabulary's target ids [N] and the LM head and Markov W2 rows for them."""
+
+    def __init__(self, ids, lm_weight, w2_weight) -> None:
+        self.ids = ids
+        self.lm_weight = lm_weight
+        self.w2_weight = w2_weight
+
+
+_UNSET = object()
+
+
+def draft_vocab_path(proposer) -> str | None:
+    """`SGLANG_DSPARK_DRAFT_VOCAB` (a file; `full` or 0: the whole vocabulary), else the draft
+    checkpoint's own `draft_vocab.safetensors` when it ships one."""
+    from pathlib import Path
+
+    from sglang_dspark.drafter.draft_vocab import FILE_NAME
+
+    raw = os.environ.get(VOCAB_ENV, "").strip()
+    if raw.lower() in ("full", "0", "off", "none"):
+        return None
+    if raw:
+        return raw
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        draft = get_spec().speculative_draft_model_path
+    except Exception:  # noqa: BLE001 - no published spec config: no shipped vocabulary
+        return None
+    found = Path(draft or "") / FILE_NAME
+    return str(found) if draft and found.is_file() else None
+
+
+def _draft_vocab(proposer) -> DraftVocab | None:
+    """The draft vocabulary to propose from (None: the full one), built once per proposer. A
+    head it cannot restrict exactly (a quantized or TP-split LM head, a Markov head whose bias
+    is not W2 times the previous token's embedding) drafts over the full vocabulary."""
+    cached = getattr(proposer, VOCAB_ATTR, _UNSET)
+    if cached is not _UNSET:
+        return cached
+    import logging
+
+    from sglang_dspark.drafter.draft_vocab import load_draft_vocab
+
+    log = logging.getLogger(__name__)
+    model = proposer.draft_model
+    markov = model.markov_head
+    vocab = None
+    path = draft_vocab_path(proposer)
+    if path is not None:
+        ids = load_draft_vocab(path, int(markov.vocab_size))  # refuses a mismatched file
+        lm_head = model.lm_head
+        weight = getattr(lm_head, "weight", None)
+        from sglang.srt.models import dspark as dspark_model
+
+        exact = (
+            weight is not None
+            and weight.is_floating_point()
+            and not dspark_model.should_apply_lm_head_quant_method(
+                lm_head, getattr(lm_head, "quant_method", None)
+            )
+            and not getattr(dspark_model, "_DSPARK_FP8_LM_HEAD", False)
+        )
+        if (
+            exact
+            and getattr(model, "_base_logits_gatherer", None) is None
+            and int(getattr(lm_head, "tp_size", 1)) == 1
+            and markov.greedy_w2_weight() is not None
+            and not os.environ.get("SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH")
+        ):
+            ids = ids.to(weight.device)
+            vocab = DraftVocab(
+                ids,
+                weight.index_select(0, ids).contiguous(),
+                markov.markov_w2.weight.index_select(0, ids).contiguous(),
+            )
+            log.info("DSpark draft vocabulary: %d of %d tokens (%s)", len(ids),
+                     int(markov.vocab_size), path)  # fmt: skip
+        else:
+            log.warning("DSpark draft vocabulary %s not used: this drafter's LM head or Markov "
+                        "head cannot be restricted exactly; drafting over the full vocabulary",
+                        path)  # fmt: skip
+    setattr(proposer, VOCAB_ATTR, vocab)
+    return vocab
+
+
+def subset_base_logits(model, vocab: DraftVocab, hidden):
+    """The LM head's rows for the draft vocabulary (SGLang's `compute_base_logits` restricted:
+    the same muP division, the same matmul)."""
+    import torch
+
+    if getattr(model, "logits_mup_width_multiplier", None):
+        hidden = hidden / model.logits_mup_width_multiplier
+    return torch.matmul(hidden.to(vocab.lm_weight.dtype), vocab.lm_weight.T)
+
+
+def subset_step(markov, vocab: DraftVocab, prev, base, *, temperatures, seed, logits_out):
+    """One Markov step over the draft vocabulary: step logits base + W2[ids] e(prev) (rounded
+    as SGLang's step rounds them), argmax rows at temperature 0, the others sampled at their
+    temperature (`cpu_markov.sample_rows`). Returns target token ids."""
+    import torch.nn.functional as F
+
+    from sglang_dspark.plugin.cpu_markov import sample_rows
+
+    bias = F.linear(markov.get_prev_embeddings(prev), vocab.w2_weight)
+    step_dtype = markov.step_logits_dtype(base.dtype)
+    value = (base.float() + bias.float()).to(step_dtype).float()
+    if logits_out is not None:
+        logits_out.copy_(value)
+    picked = value.argmax(-1)
+    sampled = (temperatures != 0).nonzero()[:, 0]
+    if len(sampled):
+        picked[sampled] = sample_rows(value[sampled], temperatures[sampled], seed)
+    return vocab.ids[picked]
 
 
 def install() -> None:

@@ -446,7 +446,7 @@ def cpu_verified_rows_accept():
 
 class _ProbeDraft(torch.nn.Module):
     """A DSPARK draft head on random weights whose confidence is 0.3 at every position; counts
-    the positions its LM head projects."""
+    the rows its Markov head steps."""
 
     def __init__(self, hidden: int, vocab: int) -> None:
         from sglang.srt.models.dspark import DSparkConfidenceHead, VanillaMarkov
@@ -458,10 +458,16 @@ class _ProbeDraft(torch.nn.Module):
         torch.nn.init.constant_(self.confidence_head.proj.bias, -0.8473)  # logit(0.3)
         self.lm = torch.nn.Linear(hidden, vocab, bias=False)
         self.sample_from_anchor = True
-        self.positions = 0
+        self.steps = 0
+        step_bias = self.markov_head.step_bias
+
+        def counted(prev_tokens, **kwargs):
+            self.steps += len(prev_tokens)
+            return step_bias(prev_tokens, **kwargs)
+
+        self.markov_head.step_bias = counted
 
     def compute_base_logits(self, hidden):
-        self.positions += hidden.reshape(-1, hidden.shape[-1]).shape[0]
         return self.lm(hidden), hidden
 
     def compute_confidence(self, *, anchor_tokens, draft_tokens, confidence_features):
@@ -474,7 +480,7 @@ class _ProbeDraft(torch.nn.Module):
 @probe
 def cpu_draft_until_verifiable():
     """A greedy sync step of 2 requests, 7 drafts each, confidence 0.3 everywhere and an SPS
-    table where only each request's first draft pays: the LM head may project only those."""
+    table where only each request's first draft pays: the Markov head may step only those."""
     from sglang.srt.speculative.dspark_components.dspark_draft import (
         DraftBlockProposer,
         DraftNoise,
@@ -515,8 +521,8 @@ def cpu_draft_until_verifiable():
     lengths = schedule_sync(proposal.confidence.double(), table)
     verified = int(lengths.max())
     assert verified == 1, lengths
-    assert model.positions == bs * verified, (
-        f"the LM head projected {model.positions} positions, {bs * verified} are verified"
+    assert model.steps == bs * verified, (
+        f"the Markov head stepped {model.steps} rows, {bs * verified} are verified"
     )
 
 
