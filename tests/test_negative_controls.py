@@ -6,10 +6,11 @@ the target: acceptance about 0.72, top-1 probability about 0.5) are decoded spec
 runs, with each `SGLANG_DSPARK_TEST_BREAK_SAMPLER` mode; the continuations go through the
 audit's own comparison (`compare_samples`, positions 1..3 and the joint first 3 tokens, three
 prompts, family-wise alpha 0.01) against exact target sampling. Windows of one and two drafts
-(MTP-1 verifies one). DSPARK's sampler always sees all gamma = 7 drafts (SGLang trims to the
-scheduled window after sampling), so there `bonus_from_draft` acts only on fully accepted
-7-draft blocks, beyond the 4 tokens compared: it is caught here, not on a DSPARK server at
-these sizes; `accept_all` and `no_renorm` act at every block.
+(MTP-1 verifies one). DSPARK's CPU accept checks only the drafts inside each verify window
+(`chain_accept_verified`, its own controls in tests/test_verified_accept.py), so
+`bonus_from_draft` acts on every fully accepted window there; with SGLang's own accept
+(`cpu_verified_rows_accept` off) the sampler sees all gamma = 7 drafts and trims after sampling,
+and `bonus_from_draft` then acts only on fully accepted 7-draft blocks.
 """
 
 from __future__ import annotations

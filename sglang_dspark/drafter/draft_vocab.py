@@ -13,7 +13,9 @@ acceptance: target mass outside the subset is never proposed.
 
 File format: safetensors with EAGLE-3's tensors (SGLang's format for a reduced draft vocab):
 `d2t` [N] int64, target id = draft id + d2t[draft id], and `t2d` [V] bool, the subset's mask
-over the target vocabulary; metadata names the source data and the counts.
+over the target vocabulary; metadata names the source data and the counts. A draft directory
+ships it as `draft_vocab/vocab.safetensors`, which the server then uses
+(`plugin/cpu_draft.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 
 from sglang_dspark.drafter.config import DraftConfigError
 
-FILE_NAME = "draft_vocab.safetensors"
+# Inside a draft checkpoint, in a subfolder: SGLang loads every top-level *.safetensors of a
+# checkpoint as weights.
+FILE_NAME = "draft_vocab/vocab.safetensors"
 
 
 def token_counts(sequences: Iterable, vocab_size: int) -> torch.Tensor:

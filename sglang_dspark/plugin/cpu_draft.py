@@ -211,9 +211,9 @@ def _propose(
         tokens[:, k] = prev
         drafted = k + 1
     if not greedy:
-        proposer.noise.offset.add_(1)
+        proposer.noise.offset.add_(1)  # one block drawn, as SGLang's pass counts
         if subset is not None:  # the accept reads the proposal over these target ids
-            logits_out.dspark_draft_vocab = subset.ids  # one block drawn, as SGLang's pass counts
+            logits_out.dspark_draft_vocab = subset.ids
     if drafted < gamma:
         confidence = confidence.clone()
         confidence[:, drafted:] = 0.0
@@ -249,7 +249,7 @@ _UNSET = object()
 
 def draft_vocab_path(proposer) -> str | None:
     """`SGLANG_DSPARK_DRAFT_VOCAB` (a file; `full` or 0: the whole vocabulary), else the draft
-    checkpoint's own `draft_vocab.safetensors` when it ships one."""
+    checkpoint's own `draft_vocab/vocab.safetensors` when it ships one."""
     from pathlib import Path
 
     from sglang_dspark.drafter.draft_vocab import FILE_NAME
