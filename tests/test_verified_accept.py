@@ -174,7 +174,7 @@ def test_a_draft_vocabulary_is_the_full_one_with_the_rest_at_zero():
     sub = draft[..., ids]
     drafts = ids[torch.multinomial(sub.softmax(-1).view(-1, len(ids)), 1, generator=gen)]
     drafts = drafts.view(bs, G)
-    drafts[0, 0] = int(torch.tensor([t for t in range(V) if t not in ids.tolist()][0]))
+    drafts[0, 0] = next(t for t in range(V) if t not in ids.tolist())
     lens = torch.randint(1, G + 2, (bs,), generator=gen)
     full = torch.full_like(draft, float("-inf"))
     full[..., ids] = sub
