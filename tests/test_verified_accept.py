@@ -104,9 +104,12 @@ def _chain_model(seed: int = 0):
     return logits, draft, start.softmax(-1)
 
 
-def _continuations(logits, draft, p_0, n, gen, broken=None, gamma=3):
+def _continuations(logits, draft, p_0, n, gen, broken=None, gamma=3, ids=None):
     """Order-1 Markov target and draft; rounds of `gamma` drafts, each request verifying a
-    random window of 1..gamma+1 slots, accepted by `chain_accept_verified`."""
+    random window of 1..gamma+1 slots, accepted by `chain_accept_verified`. With `ids` the
+    draft proposes from those tokens only (its logits over them: a draft vocabulary)."""
+    if ids is not None:
+        draft = draft[:, ids]
     rows = torch.arange(n)
     out = torch.full((n, LENGTH + gamma + 1), -1, dtype=torch.long)
     out[:, 0] = torch.multinomial(p_0.expand(n, -1), 1, generator=gen)[:, 0]
@@ -117,6 +120,7 @@ def _continuations(logits, draft, p_0, n, gen, broken=None, gamma=3):
         chain, drafts = [cur], []
         for _ in range(gamma):
             cur = torch.multinomial(draft[cur].softmax(-1), 1, generator=gen)[:, 0]
+            cur = cur if ids is None else ids[cur]
             drafts.append(cur)
             chain.append(cur)
         drafts = torch.stack(drafts, 1)
@@ -125,6 +129,7 @@ def _continuations(logits, draft, p_0, n, gen, broken=None, gamma=3):
         k, token = chain_accept_verified(
             drafts, logits[chain], draft[chain[:, :gamma]], temps, temps, lens,
             torch.rand(n, gamma, generator=gen), torch.rand(n, generator=gen), broken=broken,
+            draft_vocab=ids,
         )  # fmt: skip
         tokens = torch.cat([drafts, torch.zeros(n, 1, dtype=torch.long)], 1)
         tokens[rows, k] = token
@@ -185,44 +190,13 @@ def test_a_draft_vocabulary_is_the_full_one_with_the_rest_at_zero():
     assert int(n[0]) == 0 or int(lens[0]) == 1  # a token the draft cannot propose is rejected
 
 
-def _subset_continuations(logits, draft, p_0, n, gen, ids, gamma=3):
-    """As `_continuations`, the draft restricted to the ids (logits over them only)."""
-    rows = torch.arange(n)
-    out = torch.full((n, LENGTH + gamma + 1), -1, dtype=torch.long)
-    out[:, 0] = torch.multinomial(p_0.expand(n, -1), 1, generator=gen)[:, 0]
-    length = torch.ones(n, dtype=torch.long)
-    temps = torch.ones(n)
-    sub = draft[:, ids]
-    while (length < LENGTH).any():
-        cur = out[rows, length - 1]
-        chain, drafts = [cur], []
-        for _ in range(gamma):
-            cur = ids[torch.multinomial(sub[cur].softmax(-1), 1, generator=gen)[:, 0]]
-            drafts.append(cur)
-            chain.append(cur)
-        drafts = torch.stack(drafts, 1)
-        chain = torch.stack(chain, 1)
-        lens = torch.randint(1, gamma + 2, (n,), generator=gen)
-        k, token = chain_accept_verified(
-            drafts, logits[chain], sub[chain[:, :gamma]], temps, temps, lens,
-            torch.rand(n, gamma, generator=gen), torch.rand(n, generator=gen), draft_vocab=ids,
-        )  # fmt: skip
-        tokens = torch.cat([drafts, torch.zeros(n, 1, dtype=torch.long)], 1)
-        tokens[rows, k] = token
-        for j in range(gamma + 1):
-            write = (j <= k) & (length < LENGTH)
-            out[rows[write], length[write]] = tokens[write, j]
-            length = length + write.long()
-    return out[:, :LENGTH].tolist()
-
-
 def test_a_draft_vocabulary_is_lossless():
     """Half the tokens in the draft vocabulary: the continuations are still the target's."""
     logits, draft, p_0 = _chain_model()
     ids = torch.arange(0, V, 2)
     for seed in range(2):
         gen = torch.Generator().manual_seed(300 + seed)
-        test = [_subset_continuations(logits, draft, p_0[i], SAMPLES, gen, ids)
+        test = [_continuations(logits, draft, p_0[i], SAMPLES, gen, ids=ids)
                 for i in range(PROMPTS)]  # fmt: skip
         ref = [_reference(logits, p_0[i], SAMPLES, gen) for i in range(PROMPTS)]
         report = compare_samples(test, ref, [1, 2, 3], joint_positions=(0, 1, 2), alpha=0.01)
