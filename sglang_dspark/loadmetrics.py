@@ -19,7 +19,8 @@ Per request (a `Sample`):
   it is counted in ``missing_usage`` and left out of every token-based number;
 - TTFT = first_token - start; e2e = end - start;
 - TPOT (time per output token after the first) = (e2e - TTFT) / (output_tokens - 1);
-- tok/s per user = 1 / TPOT = (output_tokens - 1) / (end - first_token);
+- tok/s per user = 1 / TPOT = (output_tokens - 1) / (end - first_token), the speed once the
+  answer streams; with TTFT (the SLA view, what a user waits for): output_tokens / e2e;
 - token timeline: with ``stream_options.continuous_usage_stats`` each chunk carries the
   cumulative ``completion_tokens``, so the tokens of every chunk and their arrival time are
   known exactly; ITL (inter-token latency) = the gap between two chunks divided by the tokens
@@ -37,6 +38,10 @@ then does the next stage start. The steady-state window is [run_start + warmup, 
   started: each request's timeline is clipped to the window) / window length. Exact with
   timelines; under the uniform assumption otherwise. In-flight requests at the window's end
   count for the part they generated inside it;
+- output_tok_s_same: the same aggregate from the requests that *started* inside the window
+  (the ones the per-user speeds describe, so x and y of a Pareto point come from one set):
+  users x sum(output_tokens) / sum(e2e), Little's law for a closed loop without think time
+  (each user always has one request in flight: a user's rate is its tokens over its time);
 - requests_per_s: successful requests that *completed* inside the window / window length;
 - latency and speed distributions (TTFT, TPOT, ITL, e2e, tok/s per user) and failures: the
   requests that *started* inside the window. Thanks to the drain every one of them completes,
@@ -171,6 +176,13 @@ class Sample:
     def user_tok_s(self) -> float | None:
         tpot = self.tpot
         return None if tpot is None else 1.0 / tpot
+
+    @property
+    def user_tok_s_e2e(self) -> float | None:
+        """output_tokens / e2e: the per-user speed with the time to first token in it."""
+        if not self.ok or not self.output_tokens or self.end <= self.start:
+            return None
+        return self.output_tokens / (self.end - self.start)
 
     def itl(self) -> list[float]:
         """Inter-token latencies from the timeline: each chunk's gap / its tokens, per token."""
@@ -485,6 +497,9 @@ class StageSummary:
     # (per request, exact) is the stage's own number.
     server_accept_len: float | None = None
     client_cpu_share: float | None = None  # locust process CPU seconds / wall seconds
+    user_tok_s_e2e_mean: float | None = None  # mean over requests of tokens / e2e (with TTFT)
+    user_tok_s_e2e_p50: float | None = None
+    output_tok_s_same: float | None = None  # users x sum(tokens) / sum(e2e), started set
     drain_s: float | None = None
     drain_incomplete: int = 0
     note: str = ""
@@ -504,6 +519,9 @@ def summarize_stage(samples: Iterable[Sample], window: StageWindow, slo: Slo) ->
     completed = [s for s in samples if s.ok and a <= s.end < b]
     tokens = sum(s.tokens_in(a, b) for s in samples)
     speeds = [v for s in measured if (v := s.user_tok_s) is not None]
+    speeds_e2e = [v for s in measured if (v := s.user_tok_s_e2e) is not None]
+    timed = [s for s in measured if s.e2e > 0]
+    busy = sum(s.e2e for s in timed)
     ttfts = [v for s in ok if (v := s.ttft) is not None]
     tpots = [v for s in measured if (v := s.tpot) is not None]
     itls = [v for s in measured for v in s.itl()]
@@ -564,6 +582,11 @@ def summarize_stage(samples: Iterable[Sample], window: StageWindow, slo: Slo) ->
         drain_s=drain,
         drain_incomplete=window.drain_incomplete,
         note="; ".join(notes),
+        user_tok_s_e2e_mean=mean(speeds_e2e),
+        user_tok_s_e2e_p50=quantile(speeds_e2e, 0.50),
+        output_tok_s_same=(
+            window.users * sum(s.output_tokens for s in timed) / busy if busy > 0 else None
+        ),
     )
 
 
@@ -988,6 +1011,7 @@ COLUMNS: tuple[tuple[str, str, str, Callable[[Any], Any] | None], ...] = (
     ("tok/s", "output_tok_s_total", ".1f", None),
     ("u tok/s p50", "user_tok_s_p50", ".1f", None),
     ("u tok/s p10", "user_tok_s_p10", ".1f", None),
+    ("u tok/s e2e", "user_tok_s_e2e_mean", ".1f", None),
     ("TTFT p50", "ttft_p50_s", ".3f", None),
     ("TTFT p99", "ttft_p99_s", ".3f", None),
     ("TPOT p50", "tpot_p50_s", ".4f", None),

@@ -7,9 +7,18 @@ Each input is an ``sla_summary.json`` written by ``locust -f loadtest/sla.py`` (
 holding one or more); each is one arm, named by its label (``SLA_LABEL``) or ``--label``.
 Each stage (concurrency level) of an arm is one point:
 
-- x: tokens/s per user of the stage (``user_tok_s_mean`` = mean over requests of 1 / TPOT;
-  ``--x-metric p50`` for the median);
-- y: aggregate output tokens/s of the stage (``output_tok_s_total``) divided by ``--replicas``.
+- x: tokens/s per user of the stage. ``--x-metric e2e`` (the default, the SLA view): mean over
+  requests of tokens / e2e, the time to first token included; ``mean``: mean of 1 / TPOT, the
+  streaming speed once the first token arrived; ``p50``: its median;
+- y: aggregate output tokens/s of the stage divided by ``--replicas``. ``--y-metric same`` (the
+  default): from the same requests as x (``output_tok_s_same``, users x tokens / busy time);
+  ``window``: every token generated inside the stage's window (``output_tok_s_total``).
+
+A summary whose stages carry ``rounds`` (one value per interleaved round, as
+``benchmarks/pareto_cpu.py`` writes them) gets 95% confidence intervals on both axes (Student
+t over the rounds, drawn as error bars) and, between the two compared arms, the gains
+computed round by round (round r of the arm against round r of the baseline: the rounds are
+interleaved, so they are paired) with their mean and interval.
 
 Outputs in ``--out``:
 
@@ -40,7 +49,7 @@ import csv
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -57,7 +66,23 @@ METHOD = (
     "it, and at each baseline frontier point. The maximum is exact (a ratio of two linear "
     "functions is monotone between breakpoints). No extrapolation outside the overlap."
 )
-X_METRICS = {"mean": "user_tok_s_mean", "p50": "user_tok_s_p50"}
+X_METRICS = {"e2e": "user_tok_s_e2e_mean", "mean": "user_tok_s_mean", "p50": "user_tok_s_p50"}
+Y_METRICS = {"same": "output_tok_s_same", "window": "output_tok_s_total"}
+CI_LEVEL = 0.95
+
+
+def mean_ci(values: Sequence[float], level: float = CI_LEVEL) -> tuple[float, float, float]:
+    """(mean, low, high): Student t interval of the mean; one value: (v, v, v)."""
+    from scipy import stats
+
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("mean_ci of no values")
+    m = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return m, m, m
+    half = stats.sem(vals) * stats.t.ppf((1 + level) / 2, len(vals) - 1)
+    return m, m - half, m + half
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,9 @@ class Point:
     y: float  # aggregate output tokens/s per replica
     verify_len: float | None = None
     accept_len: float | None = None
+    x_ci: tuple[float, float] | None = None  # 95% interval over rounds
+    y_ci: tuple[float, float] | None = None
+    rounds: int = 1
 
 
 @dataclass
@@ -76,6 +104,8 @@ class Arm:
     algorithm: str | None = None
     num_draft_tokens: int | None = None
     source: str = ""
+    # round r's points (the same stages, one round's values); empty without rounds
+    round_points: list[list[Point]] = field(default_factory=list)
 
     @property
     def frontier(self) -> list[Point]:
@@ -211,34 +241,57 @@ def arm_from_report(
     report: dict[str, Any],
     label: str | None = None,
     replicas: float = 1.0,
-    x_metric: str = "mean",
+    x_metric: str = "e2e",
     source: str = "",
+    y_metric: str = "same",
 ) -> Arm:
     """One arm from a summary: one point per stage with a measured x and y."""
     if replicas <= 0:
         raise ValueError(f"--replicas must be > 0, got {replicas}")
-    key = X_METRICS[x_metric]
+    xk, yk = X_METRICS[x_metric], Y_METRICS[y_metric]
     points = []
+    per_round: dict[int, list[Point]] = {}
     for row in report["stages"]:
-        x, y = row.get(key), row.get("output_tok_s_total")
+        for key, flag, name in ((xk, "--x-metric", x_metric), (yk, "--y-metric", y_metric)):
+            if key not in row:
+                raise ValueError(
+                    f"{source or 'summary'}: stage c={row.get('users')} has no {key} "
+                    f"({flag} {name}); summaries written before it existed need "
+                    "--x-metric mean --y-metric window"
+                )
+        x, y = row.get(xk), row.get(yk)
         if x is None or y is None or x <= 0 or y <= 0:
             continue
+        rounds = row.get("rounds") or {}
+        xs, ys = rounds.get(xk) or [], rounds.get(yk) or []
+        paired = len(xs) == len(ys) >= 2 and None not in xs and None not in ys
+        users = int(row["users"])
+        if paired:
+            _, xlo, xhi = mean_ci(xs)
+            _, ylo, yhi = mean_ci([v / replicas for v in ys])
+            for r, (xr, yr) in enumerate(zip(xs, ys, strict=True)):
+                per_round.setdefault(r, []).append(Point(users, float(xr), float(yr) / replicas))
         points.append(
             Point(
-                users=int(row["users"]),
+                users=users,
                 x=float(x),
                 y=float(y) / replicas,
                 verify_len=row.get("verify_len_mean"),
                 accept_len=row.get("accept_len"),
+                x_ci=(xlo, xhi) if paired else None,
+                y_ci=(ylo, yhi) if paired else None,
+                rounds=len(xs) if paired else 1,
             )
         )
     server = report.get("server") or {}
+    complete = [per_round[r] for r in sorted(per_round) if len(per_round[r]) == len(points)]
     return Arm(
         label=label or report.get("label") or Path(source).parent.name or "arm",
         points=points,
         algorithm=server.get("speculative_algorithm"),
         num_draft_tokens=server.get("speculative_num_draft_tokens"),
         source=source,
+        round_points=complete if len(complete) >= 2 else [],
     )
 
 
@@ -246,7 +299,8 @@ def load_arms(
     paths: Sequence[str | Path],
     labels: Sequence[str] = (),
     replicas: float = 1.0,
-    x_metric: str = "mean",
+    x_metric: str = "e2e",
+    y_metric: str = "same",
 ) -> list[Arm]:
     files = find_summaries(paths)
     if labels and len(labels) != len(files):
@@ -255,7 +309,9 @@ def load_arms(
             "give one --label per summary, in order, or none"
         )
     arms = [
-        arm_from_report(load_report(f), labels[i] if labels else None, replicas, x_metric, str(f))
+        arm_from_report(
+            load_report(f), labels[i] if labels else None, replicas, x_metric, str(f), y_metric
+        )
         for i, f in enumerate(files)
     ]
     seen: dict[str, str] = {}
@@ -301,6 +357,35 @@ def compare(arm: Arm, base: Arm, n: int = 201) -> dict[str, Any]:
     ):
         g = gain(arm.frontier, base.frontier, matched, n)
         out[name] = None if g is None else asdict(g)
+    rounds = compare_rounds(arm, base, n)
+    if rounds:
+        out["rounds"] = rounds
+    return out
+
+
+def compare_rounds(arm: Arm, base: Arm, n: int = 201) -> dict[str, Any] | None:
+    """The gains round by round (round r of the arm against round r of the baseline), each
+    round's maximum and minimum over its overlap, with their means and 95% intervals."""
+    k = min(len(arm.round_points), len(base.round_points))
+    if k < 2:
+        return None
+    out: dict[str, Any] = {"rounds": k, "level": CI_LEVEL}
+    for name, matched in (
+        ("throughput_gain_at_matched_user_tok_s", "x"),
+        ("user_speed_gain_at_matched_throughput", "y"),
+    ):
+        maxima, minima = [], []
+        for r in range(k):
+            g = gain(frontier(arm.round_points[r]), frontier(base.round_points[r]), matched, n)
+            if g is not None:
+                maxima.append(g.max_gain)
+                minima.append(min(v for _, v in g.grid))
+        entry: dict[str, Any] = {"rounds_with_overlap": len(maxima)}
+        for key, vals in (("max", maxima), ("min", minima)):
+            if vals:
+                m, lo, hi = mean_ci(vals)
+                entry[key] = {"mean": m, "ci": [lo, hi], "per_round": vals}
+        out[name] = entry
     return out
 
 
@@ -316,12 +401,21 @@ def write_csv(arms: Sequence[Arm], path: Path) -> None:
                 "accept_len",
                 "verify_len_mean",
                 "on_frontier",
+                "rounds",
+                "user_tok_s_ci_low",
+                "user_tok_s_ci_high",
+                "output_tok_s_ci_low",
+                "output_tok_s_ci_high",
             ]
         )
         for a in arms:
             front = set(a.frontier)
             for p in sorted(a.points, key=lambda p: p.users):
-                w.writerow([a.label, p.users, p.x, p.y, p.accept_len, p.verify_len, p in front])
+                xci, yci = p.x_ci or ("", ""), p.y_ci or ("", "")
+                w.writerow(
+                    [a.label, p.users, p.x, p.y, p.accept_len, p.verify_len, p in front, p.rounds]
+                    + [*xci, *yci]
+                )
 
 
 def plot_pareto(
@@ -340,6 +434,18 @@ def plot_pareto(
     for a in arms:
         pts = sorted(a.points, key=lambda p: p.users)
         (line,) = ax.plot([p.x for p in pts], [p.y for p in pts], "o-", label=a.label, lw=1.2)
+        bars = [p for p in pts if p.x_ci and p.y_ci]
+        if bars:
+            ax.errorbar(
+                [p.x for p in bars],
+                [p.y for p in bars],
+                xerr=[[p.x - p.x_ci[0] for p in bars], [p.x_ci[1] - p.x for p in bars]],
+                yerr=[[p.y - p.y_ci[0] for p in bars], [p.y_ci[1] - p.y for p in bars]],
+                fmt="none",
+                ecolor=line.get_color(),
+                elinewidth=0.8,
+                capsize=2,
+            )
         front = a.frontier
         ax.plot(
             [p.x for p in front],
@@ -411,7 +517,14 @@ def plot_pareto(
             va="bottom",
             bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
         )
-    ax.set_xlabel(f"tokens/s per user ({x_metric})")
+    ax.set_xlabel(
+        "tokens/s per user, "
+        + {
+            "e2e": "time to first token included",
+            "mean": "after the first token (1/TPOT)",
+            "p50": "after the first token, median",
+        }[x_metric]
+    )
     ax.set_ylabel("output tokens/s" + (f" per replica (/{replicas:g})" if replicas != 1 else ""))
     ax.set_title("Throughput vs per-user speed (thick: Pareto frontier)")
     ax.grid(alpha=0.3)
@@ -473,13 +586,14 @@ def run_pareto(
     arm: str | None = None,
     baseline: str | None = None,
     replicas: float = 1.0,
-    x_metric: str = "mean",
+    x_metric: str = "e2e",
     grid: int = 201,
+    y_metric: str = "same",
 ) -> dict[str, Any]:
     """Read, compute, write pareto.{png,csv,json} (+ verify_budget.png); the JSON's content."""
     if grid < 2:
         raise ValueError(f"--grid must be >= 2, got {grid}")
-    arms = load_arms(paths, labels, replicas, x_metric)
+    arms = load_arms(paths, labels, replicas, x_metric, y_metric)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pair = pick(arms, arm, baseline)
@@ -494,9 +608,15 @@ def run_pareto(
     result = {
         "method": METHOD,
         "x_metric": X_METRICS[x_metric],
-        "y_metric": "output_tok_s_total / replicas",
+        "y_metric": f"{Y_METRICS[y_metric]} / replicas",
         "replicas": replicas,
-        "arms": [{**asdict(a), "frontier": [asdict(p) for p in a.frontier]} for a in arms],
+        "arms": [
+            {
+                **{k: v for k, v in asdict(a).items() if k != "round_points"},
+                "frontier": [asdict(p) for p in a.frontier],
+            }
+            for a in arms
+        ],
         "comparison": comparison,
         "verify_budget": series,
         "files": files,
@@ -529,6 +649,15 @@ def render(result: dict[str, Any]) -> str:
                 f"{c['arm']} vs {c['baseline']}: {text}: max {g['max_gain']:.2f}x at "
                 f"{g['at']:.2f}; at baseline points: {at_pts or '-'}"
             )
+            by_round = (c.get("rounds") or {}).get(key) or {}
+            for stat in ("max", "min"):
+                if stat in by_round:
+                    e = by_round[stat]
+                    lines.append(
+                        f"  round by round ({by_round['rounds_with_overlap']} of "
+                        f"{c['rounds']['rounds']} overlap): {stat} {e['mean']:.2f}x "
+                        f"[95% CI {e['ci'][0]:.2f}, {e['ci'][1]:.2f}]"
+                    )
     lines.append("method: " + result["method"])
     lines.append("wrote: " + ", ".join(result["files"].values()))
     return "\n".join(lines)
@@ -562,8 +691,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--x-metric",
         choices=sorted(X_METRICS),
-        default="mean",
-        help="tokens/s per user of a stage: mean or median over its requests",
+        default="e2e",
+        help="tokens/s per user of a stage: e2e = mean of tokens / e2e (TTFT included, the SLA "
+        "view); mean / p50 = mean / median of 1 / TPOT (after the first token)",
+    )
+    p.add_argument(
+        "--y-metric",
+        choices=sorted(Y_METRICS),
+        default="same",
+        help="aggregate tokens/s: same = from the requests x describes; window = every token "
+        "generated inside the stage's window",
     )
     p.add_argument("--grid", type=int, default=201, help="grid points over each overlap")
 
@@ -578,6 +715,7 @@ def run(args: argparse.Namespace) -> int:
         args.replicas,
         args.x_metric,
         args.grid,
+        args.y_metric,
     )
     print(render(result))
     return 0

@@ -174,6 +174,22 @@ def test_warmup_is_excluded_from_the_window():
     assert row.user_tok_s_mean == pytest.approx(10.0)
 
 
+def test_x_and_y_of_a_point_come_from_the_same_requests():
+    # Two users in a closed loop; the window [0, 10). Started inside it: a (20 tokens in 4 s,
+    # TTFT 1 s), b (10 tokens in 2 s, TTFT 0.5 s); c started before the window: only its
+    # window tokens count in output_tok_s_total, and it is in neither per-user speed.
+    a = sample(start=1.0, first=2.0, end=5.0, tokens=20)
+    b = sample(start=6.0, first=6.5, end=8.0, tokens=10)
+    c = sample(start=-4.0, first=-3.0, end=2.0, tokens=40)
+    row = lm.summarize_stage([a, b, c], window(run_end=10.0, users=2), lm.Slo())
+    assert row.user_tok_s_e2e_mean == pytest.approx((20 / 4 + 10 / 2) / 2)  # TTFT included
+    assert row.user_tok_s_mean == pytest.approx((19 / 3 + 9 / 1.5) / 2)  # after the first
+    assert row.output_tok_s_same == pytest.approx(2 * 30 / 6)  # users x tokens / busy time
+    assert row.output_tok_s_total != pytest.approx(row.output_tok_s_same)
+    failed = sample(start=2.0, first=None, end=3.0, tokens=None, ok=False)
+    assert lm.summarize_stage([failed], window(users=2), lm.Slo()).output_tok_s_same is None
+
+
 def test_a_stage_without_completed_requests_reports_zeros_and_nones():
     row = lm.summarize_stage([], window(users=4), lm.Slo())
     assert (row.requests, row.failures, row.completed_in_window) == (0, 0, 0)
@@ -363,7 +379,9 @@ def write_summary(path: Path, label: str, points, algorithm=None, k=None, verify
                 "users": users,
                 "user_tok_s_mean": x,
                 "user_tok_s_p50": x,
+                "user_tok_s_e2e_mean": x,
                 "output_tok_s_total": y,
+                "output_tok_s_same": y,
                 "accept_len": None,
                 "verify_len_mean": verify[i] if verify else None,
             }
@@ -435,7 +453,60 @@ def test_pareto_cli_writes_the_plots_and_tables(tmp_path):
     assert series["dspark"]["points"] == [[1, 7.5], [4, 5.0], [16, 3.25]]
     rows = (out / "pareto.csv").read_text().splitlines()
     assert len(rows) == 1 + 4 + 3 + 2
-    assert "mtp1,32,40.0,550.0,,,False" in rows
+    assert "mtp1,32,40.0,550.0,,,False,1,,,," in rows
+    # A summary from before the same-request metrics: a clear refusal, and the old metrics work.
+    old = json.loads((tmp_path / "runs" / "a" / "sla_summary.json").read_text())
+    for row in old["stages"]:
+        del row["user_tok_s_e2e_mean"], row["output_tok_s_same"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "sla_summary.json").write_text(json.dumps(old))
+    argv = ["pareto", str(tmp_path / "old"), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert main(argv + ["--x-metric", "mean", "--y-metric", "window"]) == 0
+
+
+def test_rounds_give_confidence_intervals_and_paired_gains(tmp_path):
+    from scipy import stats
+
+    def with_rounds(path, label, algorithm, rounds):
+        # rounds: per round, the (users, x, y) points; the row holds their means
+        stages = []
+        for i, users in enumerate(u for u, _, _ in rounds[0]):
+            xs = [r[i][1] for r in rounds]
+            ys = [r[i][2] for r in rounds]
+            row = {"users": users, "user_tok_s_e2e_mean": sum(xs) / len(xs),
+                   "output_tok_s_same": sum(ys) / len(ys),
+                   "rounds": {"user_tok_s_e2e_mean": xs, "output_tok_s_same": ys}}  # fmt: skip
+            stages.append(row)
+        server = {"speculative_algorithm": algorithm}
+        path.mkdir(parents=True)
+        (path / "sla_summary.json").write_text(
+            json.dumps({"schema": lm.SCHEMA, "label": label, "stages": stages, "server": server})
+        )
+
+    base = [[(1, 10.0, 10.0), (4, 8.0, 30.0)], [(1, 11.0, 11.0), (4, 9.0, 33.0)],
+            [(1, 9.0, 9.0), (4, 7.0, 27.0)]]  # fmt: skip
+    # The arm is 1.5x the baseline's throughput at the same x in round 0 and 2, 1.2x in round 1.
+    arm = [[(1, 10.0, 15.0), (4, 8.0, 45.0)], [(1, 11.0, 13.2), (4, 9.0, 39.6)],
+           [(1, 9.0, 13.5), (4, 7.0, 40.5)]]  # fmt: skip
+    with_rounds(tmp_path / "runs" / "b", "base", "EAGLE", base)
+    with_rounds(tmp_path / "runs" / "a", "arm", "DSPARK", arm)
+    result = pareto.run_pareto([tmp_path / "runs"], tmp_path / "out")
+    pts = {a["label"]: {p["users"]: p for p in a["points"]} for a in result["arms"]}
+    ys = [10.0, 11.0, 9.0]
+    half = stats.t.ppf(0.975, 2) * stats.sem(ys)
+    assert pts["base"][1]["y_ci"] == pytest.approx([10 - half, 10 + half])
+    assert pts["base"][1]["rounds"] == 3 and pts["arm"][4]["x_ci"] == pts["base"][4]["x_ci"]
+    by_round = result["comparison"]["rounds"]["throughput_gain_at_matched_user_tok_s"]
+    assert by_round["max"]["per_round"] == pytest.approx([1.5, 1.2, 1.5])
+    assert by_round["min"]["per_round"] == pytest.approx([1.5, 1.2, 1.5])
+    assert by_round["min"]["ci"][0] < 1.4 < by_round["min"]["ci"][1]
+    text = pareto.render(result)
+    assert "round by round (3 of 3 overlap): min 1.40x" in text
+    rows = (tmp_path / "out" / "pareto.csv").read_text().splitlines()
+    assert rows[0].endswith("rounds,user_tok_s_ci_low,user_tok_s_ci_high,output_tok_s_ci_low,"
+                            "output_tok_s_ci_high")  # fmt: skip
+    assert all(r.split(",")[7] == "3" for r in rows[1:])
 
 
 def test_pareto_script_is_the_same_code_and_divides_by_replicas(tmp_path):
