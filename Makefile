@@ -29,17 +29,17 @@ serve: setup
 	$(BIN)/sglang-dspark demo --keep-serving
 
 test: setup
-	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels
+	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels recipes experiments
 	$(BIN)/python scripts/install_helm.py
 	$(BIN)/python -m pytest
 
 # The fast lane: unit tests only (no servers, no Helm renders, nothing marked slow).
 test-fast: setup
-	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels
+	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels recipes experiments
 	$(BIN)/python -m pytest -m "not slow and not sglang and not helm" -p no:cacheprovider
 
 lint: setup
-	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels
+	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels recipes experiments
 
 bench: setup
 	$(BIN)/python benchmarks/serving_speed.py

@@ -1,4 +1,4 @@
-"""benchmarks/drafter_ablations.py's training table: per-arm cost and proxies from metrics."""
+"""experiments/drafter_ablations.py's training table: per-arm cost and proxies from metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "experiments"))
 
 import drafter_ablations
 

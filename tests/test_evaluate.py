@@ -405,7 +405,8 @@ def test_no_code_reads_a_folder_outside_the_repository():
     repo = Path(__file__).resolve().parents[1]
     sources = [
         *repo.glob("sglang_dspark/**/*.py"), *repo.glob("tests/**/*.py"), *repo.glob("scripts/*.py"),
-        *repo.glob("benchmarks/*.py"), *repo.glob("loadtest/*.py"), repo / "Makefile",
+        *repo.glob("recipes/*.py"), *repo.glob("experiments/*"), *repo.glob("benchmarks/*.py"),
+        *repo.glob("loadtest/*.py"), repo / "Makefile",
         repo / ".ci" / "run",
     ]  # fmt: skip
     needle = "../" + "shared"

@@ -1,4 +1,4 @@
-"""scripts/gpu_recipe.py: pack here, run on a machine without SGLang, unpack the results.
+"""recipes/gpu_recipe.py: pack here, run on a machine without SGLang, unpack the results.
 
 The run is the GPU recipe on the CPU (--device cpu) at toy size, in a Python where `import
 sglang` fails, as on the device machine: the bundle (the real SmolLM2 GGUF and a drafter to
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "gpu_recipe.py"
-sys.path.insert(0, str(REPO / "scripts"))
+SCRIPT = REPO / "recipes" / "gpu_recipe.py"
+sys.path.insert(0, str(REPO / "recipes"))
 
 import gpu_recipe
 
@@ -73,14 +73,18 @@ def test_pack_run_unpack_without_sglang(bundle, tmp_path):
     assert len(calls) == len(parts) == -(-manifest["bundle"]["bytes"] // (20 * gpu_recipe.MIB))
     assert manifest["bundle"]["bytes"] > manifest["gguf"]["bytes"] + 7 * gpu_recipe.MIB  # + MTP-1
     held = tmp_path / "held.jsonl"
-    held.write_text("".join((REPO / gpu_recipe.HELDOUT / "heldout-t1.jsonl").open().readlines()[:3]))
+    held.write_text(
+        "".join((REPO / gpu_recipe.HELDOUT / "heldout-t1.jsonl").open().readlines()[:3])
+    )
     out, work = tmp_path / "out", tmp_path / "work"
     cmd = [sys.executable, str(SCRIPT), "run", "--bundle", str(gathered), "--out", str(out),
            "--work", str(work), "--device", "cpu", "--arms", "dspark,mtp1", "--probe-steps", "2",
            "--steps", "3", "--global-batch-size", "2", "--micro-batch-size", "2",
            "--budget-s", "1800", "--checkpoint-every", "2", "--eval-data", str(held),
            "--eval-every", "2", "--feature-cache-gb", "0.5"]  # fmt: skip
-    proc = subprocess.run(cmd, check=False, env=_env(tmp_path), capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        cmd, check=False, env=_env(tmp_path), capture_output=True, text=True, timeout=1500
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recipe = json.loads((out / "recipe.json").read_text())
     assert set(recipe["arms"]) == {"dspark", "mtp1"}
@@ -120,7 +124,15 @@ def test_run_refuses_a_corrupt_or_missing_part(bundle, tmp_path):
     data = bytearray(part.read_bytes())
     data[1000] ^= 0xFF
     part.write_bytes(bytes(data))
-    args = ["run", "--bundle", str(bad), "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    args = [
+        "run",
+        "--bundle",
+        str(bad),
+        "--out",
+        str(tmp_path / "o"),
+        "--work",
+        str(tmp_path / "w"),
+    ]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], check=False, capture_output=True, text=True,
                           env=_env(tmp_path))  # fmt: skip
     assert proc.returncode == 2 and "a part is corrupt" in proc.stderr

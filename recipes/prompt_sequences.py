@@ -6,7 +6,7 @@ user's text: the drafter then learns the target's own next-token distribution (T
 code, docs and math text. Regenerated responses (`sglang-dspark data build`) match serving
 better but cost target decoding, which on 2 CPU cores is slow; this complements them.
 
-    python scripts/prompt_sequences.py --target DIR --out prompts.jsonl --per-domain 600 --seed 1
+    python recipes/prompt_sequences.py --target DIR --out prompts.jsonl --per-domain 600 --seed 1
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ def main() -> None:
                 if len(text_ids) < args.min_tokens:
                     continue
                 # loss on the user's text: find it inside the templated ids
-                start = next(
-                    (i for i in range(len(ids)) if ids[i : i + 8] == text_ids[:8]), None
-                )
+                start = next((i for i in range(len(ids)) if ids[i : i + 8] == text_ids[:8]), None)
                 if start is None:
                     continue
                 mask = [0] * len(ids)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Collect STS calibration data from the embedded DSPARK server (the plugin's recorder).
 
-    python scripts/collect_sts.py --prompts prompts.jsonl --limit 160 --out-stem DIR/fit
-    python scripts/collect_sts.py --benchmarks gsm8k,humaneval,mt-bench --limit 20 --out-stem DIR/held
+    python recipes/collect_sts.py --prompts prompts.jsonl --limit 160 --out-stem DIR/fit
+    python recipes/collect_sts.py --benchmarks gsm8k,humaneval,mt-bench --limit 20 --out-stem DIR/held
 
 Starts the embedded server on 127.0.0.1 with SGLANG_DSPARK_STS_COLLECT_PATH=<out-stem>, the
 drafter WITHOUT its sts.json (the recorder wants raw logits), and verification of every draft
@@ -27,15 +27,28 @@ REPO = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", type=Path, help="JSONL with 'messages' (sglang-dspark data prompts)")
-    src.add_argument("--benchmarks", help="comma-separated packaged eval sets (gsm8k, humaneval, mt-bench)")
-    parser.add_argument("--skip-ids-from", type=Path, nargs="*", default=[],
-                        help="JSONL files whose 'id's are left out (e.g. the training data)")
+    src.add_argument(
+        "--prompts", type=Path, help="JSONL with 'messages' (sglang-dspark data prompts)"
+    )
+    src.add_argument(
+        "--benchmarks", help="comma-separated packaged eval sets (gsm8k, humaneval, mt-bench)"
+    )
+    parser.add_argument(
+        "--skip-ids-from",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="JSONL files whose 'id's are left out (e.g. the training data)",
+    )
     parser.add_argument("--limit", type=int, default=160, help="prompts (per benchmark)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature of the requests (1: the blocks T=1 traffic "
-                        "drafts and accepts; default 0, greedy)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of the requests (1: the blocks T=1 traffic "
+        "drafts and accepts; default 0, greedy)",
+    )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--draft", type=Path, default=None, help="default: the embedded draft")
     parser.add_argument("--out-stem", type=Path, required=True)
@@ -91,9 +104,15 @@ def main(argv=None) -> int:
         from tqdm import tqdm
 
         with ThreadPoolExecutor(args.concurrency) as pool:
-            jobs = pool.map(lambda ids: generate_ids(server.base_url, ids, temperature=args.temperature,
-                                                     max_new_tokens=args.max_new_tokens),
-                            prompt_ids)
+            jobs = pool.map(
+                lambda ids: generate_ids(
+                    server.base_url,
+                    ids,
+                    temperature=args.temperature,
+                    max_new_tokens=args.max_new_tokens,
+                ),
+                prompt_ids,
+            )
             for _ in tqdm(jobs, total=len(prompt_ids), desc="requests"):
                 pass
     data = load_data(str(args.out_stem) + ".rank*.pt")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Train the embedded SmolLM2 drafters on one GPU machine that reaches no network.
 
-    python scripts/gpu_recipe.py pack --out .gpu-bundle [--init dspark=DIR ...]   # here
-    python scripts/gpu_recipe.py run --bundle BUNDLE --out OUT             # there, on the GPU
-    python scripts/gpu_recipe.py unpack --parts DIR --out RUNS             # here, afterwards
+    python recipes/gpu_recipe.py pack --out .gpu-bundle [--init dspark=DIR ...]   # here
+    python recipes/gpu_recipe.py run --bundle BUNDLE --out OUT             # there, on the GPU
+    python recipes/gpu_recipe.py unpack --parts DIR --out RUNS             # here, afterwards
 
 Such a machine (our device tool's H200; an air-gapped training box) has torch, transformers,
 safetensors and tqdm, but no SGLang, no `gguf` and no network. The training data travel in
@@ -140,7 +140,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
         _sh([*py, "-m", "sglang_dspark.cli", "data", "prompts", "--out",
              str(staging / "prompts.jsonl"), "--per-domain", str(args.per_domain), "--seed",
              str(args.seed), "--domains", domains])  # fmt: skip
-        _sh([*py, str(REPO / "scripts" / "prompt_sequences.py"), "--target",
+        _sh([*py, str(REPO / "recipes" / "prompt_sequences.py"), "--target",
              str(ensure_smollm2()), "--out", str(staging / "prompt-seqs.jsonl"), "--per-domain",
              str(args.prompt_seqs_per_domain), "--seed", "1"])  # fmt: skip
     wheels = staging / "wheels"
@@ -191,7 +191,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     for i, c in enumerate(calls):
         cmd = gather.format(d=c)
         if i == len(calls) - 1:
-            cmd += (" && PYTHONUNBUFFERED=1 python3 scripts/gpu_recipe.py run --bundle "
+            cmd += (" && PYTHONUNBUFFERED=1 python3 recipes/gpu_recipe.py run --bundle "
                     "/tmp/gpu-bundle --out $OUT --budget-s 500")  # fmt: skip
         print(f"device call {i + 1}: carry={json.dumps([c])} command={cmd!r}")
     return 0
@@ -422,8 +422,10 @@ def cmd_unpack(args: argparse.Namespace) -> int:
         boxed = " (time-boxed)" if info["time_boxed"] else ""
         tau = info.get("heldout_tau") or {}
         held = f", held-out accept length {' -> '.join(map(str, tau.values()))}" if tau else ""
-        print(f"{arm}: {out / arm / 'draft'}  {info['steps']} steps{boxed}, "
-              f"accept proxy {info['accept_proxy_last20']}{held}")
+        print(
+            f"{arm}: {out / arm / 'draft'}  {info['steps']} steps{boxed}, "
+            f"accept proxy {info['accept_proxy_last20']}{held}"
+        )
     return 0
 
 
@@ -432,16 +434,27 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="here: the bundle to carry (GGUF, wheels, init drafters)")
     p.add_argument("--out", default=str(REPO / ".gpu-bundle"))
-    p.add_argument("--init", action="append", metavar="ARM=DIR",
-                   help="start ARM from this drafter instead of the shipped one (repeatable)")
-    p.add_argument("--regenerate", action="store_true",
-                   help="carry prompts so that `run --regenerate` answers them anew")
+    p.add_argument(
+        "--init",
+        action="append",
+        metavar="ARM=DIR",
+        help="start ARM from this drafter instead of the shipped one (repeatable)",
+    )
+    p.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="carry prompts so that `run --regenerate` answers them anew",
+    )
     p.add_argument("--per-domain", type=int, default=500, help="training prompts per domain")
     p.add_argument("--prompt-seqs-per-domain", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wheel", action="append", help="a wheel file to carry (repeatable)")
-    p.add_argument("--download-wheels", action=argparse.BooleanOptionalAction, default=True,
-                   help="download the gguf wheel for the GPU machine's Python (PyPI)")
+    p.add_argument(
+        "--download-wheels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="download the gguf wheel for the GPU machine's Python (PyPI)",
+    )
     p.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
     p.add_argument("--margin-mib", type=float, default=1.0)
     p.add_argument("--part-mib", type=float, default=None, help="cap a call's part size")
@@ -451,17 +464,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/gpu-recipe")
     p.add_argument("--arms", default="dspark,mtp1,dflash")
     p.add_argument("--data", default=str(REPO / DATA), help="training data (default: in the tree)")
-    p.add_argument("--regenerate", action="store_true",
-                   help="train on responses generated here from the bundle's prompts instead")
-    p.add_argument("--eval-data", default=str(REPO / HELDOUT),
-                   help="held-out T=1 samples for the curves ('' for none)")
+    p.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="train on responses generated here from the bundle's prompts instead",
+    )
+    p.add_argument(
+        "--eval-data",
+        default=str(REPO / HELDOUT),
+        help="held-out T=1 samples for the curves ('' for none)",
+    )
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--from-scratch", action="store_true", help="new drafters, not the shipped ones")
     p.add_argument("--train-args", default="", help="extra trainer flags for every arm")
-    p.add_argument("--feature-cache-gb", type=float, default=48.0,
-                   help="target features kept on the device (the whole data set: about 15)")
-    p.add_argument("--feature-store", action="store_true",
-                   help="also share features between arms through the disk")
+    p.add_argument(
+        "--feature-cache-gb",
+        type=float,
+        default=48.0,
+        help="target features kept on the device (the whole data set: about 15)",
+    )
+    p.add_argument(
+        "--feature-store",
+        action="store_true",
+        help="also share features between arms through the disk",
+    )
     p.add_argument("--dspark-args", default="", help="extra trainer flags for dspark and dflash")
     p.add_argument("--device", default="auto")
     p.add_argument("--steps", type=int, default=20000, help="upper bound; the probe sizes it")
@@ -473,8 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=250)
     p.add_argument("--gen-batch-size", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7,
-                   help="sampling temperature of the regenerated responses (0 = greedy)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature of the regenerated responses (0 = greedy)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("unpack", help="here: join and extract the returned results")
     p.add_argument("--parts", required=True, help="the folder the device's files landed in")

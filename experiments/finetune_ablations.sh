@@ -2,7 +2,7 @@
 # Paired ablations in the fine-tune regime: every arm fine-tunes the shipped drafter with one
 # change, everything else equal; then one `sglang-dspark compare` of all arms.
 #
-#   scripts/finetune_ablations.sh OUT_DIR       (about 2 h 30 min on 2 idle cores)
+#   experiments/finetune_ablations.sh OUT_DIR       (about 2 h 30 min on 2 idle cores)
 #
 # Data: the same 192 prompts (48 per domain: code, chat, math, writing; `data build --seed 2`,
 # the packaged eval prompts kept out) answered by the target twice, greedily and sampled at
@@ -19,7 +19,7 @@
 # rather than training from scratch keeps the arms where later draft positions are reached.
 # Resumable: rerun the same command (finished data and runs are kept).
 set -euxo pipefail
-OUT=${1:?usage: scripts/finetune_ablations.sh OUT_DIR}
+OUT=${1:?usage: experiments/finetune_ablations.sh OUT_DIR}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${BIN:-$REPO/.venv/bin}
 ASSETS=$REPO/sglang_dspark/assets

@@ -1,6 +1,6 @@
 """Eval folders of training prompts the shipped drafter saw and same-domain prompts it did not.
 
-    python scripts/seen_unseen_prompts.py --out EVDIR [--per-domain 5]
+    python experiments/seen_unseen_prompts.py --out EVDIR [--per-domain 5]
     sglang-dspark evaluate --target $T --draft sglang_dspark/assets/smollm2-dspark --out EVAL \
         --eval-dir EVDIR --benchmarks seen-code,unseen-code,seen-chat,unseen-chat,seen-math,\
 unseen-math,gsm8k,humaneval,mt-bench --limit 5 --temperatures 0,1 --max-new-tokens 128

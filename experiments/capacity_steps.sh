@@ -10,7 +10,7 @@
 #                                                             -> does the Markov head's rank?
 # (both grown drafters start as exactly the shipped drafter's function).
 #
-#   scripts/capacity_steps.sh OUT_DIR [STEPS]      (STEPS 500: about 2 h on 2 idle cores)
+#   experiments/capacity_steps.sh OUT_DIR [STEPS]      (STEPS 500: about 2 h on 2 idle cores)
 #
 # Data: 320 new prompts (80 per domain: code, chat, math, writing; `data build --seed 2`)
 # answered greedily by the target, plus the 661 prompt-text sequences; held out: 64 prompts
@@ -18,7 +18,7 @@
 # dropped. cont and grow run at once, one thread each, then rank256 on two; one feature store.
 # Then `sglang-dspark curves` draws the curves. Resumable: rerun the same command.
 set -euxo pipefail
-OUT=${1:?usage: scripts/capacity_steps.sh OUT_DIR [STEPS]}
+OUT=${1:?usage: experiments/capacity_steps.sh OUT_DIR [STEPS]}
 STEPS=${2:-500}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${BIN:-$REPO/.venv/bin}
@@ -31,7 +31,7 @@ build() {  # OUT_SUBDIR SEED PER_DOMAIN TEMPERATURE
 }
 build heldout-t1 3 16 1
 build train-t0 2 80 0
-test -f "$OUT/prompts.jsonl" || "$BIN/python" "$REPO/scripts/prompt_sequences.py" --target "$T" \
+test -f "$OUT/prompts.jsonl" || "$BIN/python" "$REPO/recipes/prompt_sequences.py" --target "$T" \
     --out "$OUT/prompts.jsonl" --per-domain 400 --seed 1
 mkdir -p "$OUT/train" "$OUT/heldout"
 cp "$OUT/prompts.jsonl" "$OUT/train/prompts.jsonl"

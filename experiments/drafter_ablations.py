@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Paired drafter ablations: same data, steps and seed, one change per arm, one table.
 
-    python benchmarks/drafter_ablations.py --data DATA --out RUNS --steps 250 \\
+    python experiments/drafter_ablations.py --data DATA --out RUNS --steps 250 \\
         --arms base,layers2,tinit,rank256,decay1.5
 
 Each arm trains `configs/smollm2-dspark.json` from scratch against the embedded SmolLM2 target
@@ -12,7 +12,7 @@ its last checkpoint. Then `sglang-dspark compare` runs every arm on the same pro
 (tau at temperature 1 and 0, the ratio to the first arm with a paired bootstrap interval) and
 writes `RUNS/compare/comparison.{md,json,png}`.
 
-    python benchmarks/drafter_ablations.py --data DATA --out RUNS --step-cost 20 \
+    python experiments/drafter_ablations.py --data DATA --out RUNS --step-cost 20 \
         --arms base,topk64 --repeats 2
 
 `--step-cost N` prices a step instead: each arm trains N steps from the feature store that the

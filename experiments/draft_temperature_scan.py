@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Would drafting at another temperature than the request's raise acceptance at T=1?
 
-    python scripts/draft_temperature_scan.py [--draft DIR] [--limit 6] [--max-new-tokens 96]
+    python experiments/draft_temperature_scan.py [--draft DIR] [--limit 6] [--max-new-tokens 96]
 
 Verification stays exact for any proposal distribution the verifier knows, so a server could
 sample the draft from softmax(logits / (s T)) and verify against that. This runs the offline

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # STS refit on temperature-1 blocks (the headline serving temperature), with its held-out report.
 #
-#   scripts/sts_refit.sh OUT_DIR        (about 20 min on 2 idle cores)
+#   experiments/sts_refit.sh OUT_DIR        (about 20 min on 2 idle cores)
 #
 # Fit: 128 training-style prompts the drafter never trained on (`data prompts --seed 7`, the
 # drafter's training prompt ids left out), 64 new tokens each, sampled at T=1 by the embedded
-# DSPARK server with every draft verified (scripts/collect_sts.py). Held out, never fitted:
+# DSPARK server with every draft verified (recipes/collect_sts.py). Held out, never fitted:
 #   held-train  the next 64 unseen training-style prompts (T=1)
 #   held-eval   the packaged eval prompts, 20 per benchmark (T=1)
 #   held-eval-t0, held-train-t0: the same held-out prompts greedy (T=0)
 # Each held-out set is scored for the new fit and for the shipped sts.json (--baseline) on the
 # same blocks. Writes OUT_DIR/sts-t1.json, its metrics per held-out set and reliability plots.
 set -euo pipefail
-OUT=${1:?usage: scripts/sts_refit.sh OUT_DIR}
+OUT=${1:?usage: experiments/sts_refit.sh OUT_DIR}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${BIN:-$REPO/.venv/bin}
 SHIPPED=$REPO/sglang_dspark/assets/smollm2-dspark/sts.json
@@ -47,7 +47,7 @@ EOF
 
 collect() {  # collect STEM TEMPERATURE ARGS...
     local stem=$1 t=$2; shift 2
-    "$BIN/python" "$REPO/scripts/collect_sts.py" "$@" --temperature "$t" --max-new-tokens 64 \
+    "$BIN/python" "$REPO/recipes/collect_sts.py" "$@" --temperature "$t" --max-new-tokens 64 \
         --out-stem "$OUT/$stem"
 }
 collect fit 1 --prompts "$OUT/prompts-fit.jsonl" --limit 128
