@@ -41,8 +41,12 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check sglang_dspark tests loadtest scripts benchmarks kernels recipes experiments
 
+# A short serving run (about 10 min on 2 cores): plain, MTP-1 and DSpark side by side, report in
+# $(BENCH_OUT)/report.md. The full Pareto run and other arms: benchmarks/serving.py --help.
+BENCH_OUT  ?= .cache/bench
+BENCH_ARGS ?= --arms plain,mtp1,dspark-sync --users 1,4 --rounds 3 --stage-seconds 20
 bench: setup
-	$(BIN)/python benchmarks/serving_speed.py
+	$(BIN)/python benchmarks/serving.py --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -22,7 +22,7 @@ avg_spec_accept_length); each request also asks for SGLang's per-request specula
 
 Outputs in SLA_OUTPUT_DIR: sla_summary.json (config, server info, per-stage rows, per-request
 samples) and sla_summary.csv (one row per stage), and a table on stdout. Plot arms against each
-other with `sglang-dspark pareto RUN_DIR... --out DIR` (or `python loadtest/pareto.py`).
+other with `sglang-dspark pareto RUN_DIR... --out DIR` (or `python -m sglang_dspark.pareto`).
 
 The exit code is 1 when a request failed, a response had no usage (tokens unknown), an SLO was
 breached, a drain timed out, or the server could not be reached; the reasons are printed.

@@ -1,7 +1,7 @@
 """Pareto curves from load-test summaries: the DSpark paper's Figures 7 and 8.
 
     sglang-dspark pareto runs/no-spec runs/mtp1 runs/dspark-sync --out plots \\
-        --arm dspark-sync --baseline mtp1          # or: python loadtest/pareto.py ...
+        --arm dspark-sync --baseline mtp1     # or: python -m sglang_dspark.pareto ...
 
 Each input is an ``sla_summary.json`` written by ``locust -f loadtest/sla.py`` (or a directory
 holding one or more); each is one arm, named by its label (``SLA_LABEL``) or ``--label``.
@@ -15,7 +15,7 @@ Each stage (concurrency level) of an arm is one point:
   ``window``: every token generated inside the stage's window (``output_tok_s_total``).
 
 A summary whose stages carry ``rounds`` (one value per interleaved round, as
-``benchmarks/pareto_cpu.py`` writes them) gets 95% confidence intervals on both axes (Student
+``benchmarks/serving.py`` writes them) gets 95% confidence intervals on both axes (Student
 t over the rounds, drawn as error bars) and, between the two compared arms, the gains
 computed round by round (round r of the arm against round r of the baseline: the rounds are
 interleaved, so they are paired) with their mean and interval.

@@ -509,14 +509,15 @@ def test_rounds_give_confidence_intervals_and_paired_gains(tmp_path):
     assert all(r.split(",")[7] == "3" for r in rows[1:])
 
 
-def test_pareto_script_is_the_same_code_and_divides_by_replicas(tmp_path):
+def test_python_m_pareto_is_the_same_code_and_divides_by_replicas(tmp_path):
     a = write_summary(tmp_path / "a", "x", ARM, "DSPARK")
     b = write_summary(tmp_path / "b", "y", BASE)
     out = tmp_path / "out"
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "loadtest" / "pareto.py"),
+            "-m",
+            "sglang_dspark.pareto",
             str(a),
             str(b),
             "--out",
@@ -544,7 +545,8 @@ def test_pareto_script_is_the_same_code_and_divides_by_replicas(tmp_path):
     bad = subprocess.run(
         [
             sys.executable,
-            str(REPO / "loadtest" / "pareto.py"),
+            "-m",
+            "sglang_dspark.pareto",
             str(a),
             "--out",
             str(out),

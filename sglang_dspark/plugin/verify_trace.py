@@ -9,7 +9,7 @@ accepted, the budget, the graph tier, and the wall-clock time the step ended. It
 - the verify-length equality test (`tests/test_scheduling_serving.py`): the server's lengths
   against `sglang_dspark.scheduler.schedule_sync` on the same confidences and SPS table;
 - the verify window per request against concurrency (the paper's Figure 8,
-  `benchmarks/scheduler_modes.py`).
+  `benchmarks/serving.py`'s `verify_budget.png`).
 
 Lines are written and flushed per step (a trace is a debugging tool; it costs a host copy of
 the confidences). Unset, the hook does nothing.

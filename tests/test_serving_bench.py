@@ -1,25 +1,33 @@
-"""benchmarks/pareto_cpu.py's instrument without servers: interleaved rounds, the plain arm as
-contamination control (a departing cell is re-run for every arm), compact CSVs, intervals."""
+"""benchmarks/serving.py's instrument without servers: interleaved rounds, the plain arm as
+contamination control (a departing cell is re-run for every arm), compact CSVs, intervals,
+variant arms and paired ratios."""
 
 from __future__ import annotations
 
 import csv
 import importlib.util
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def load(monkeypatch) -> ModuleType:
+    """The script as a module (registered: its dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location("serving", REPO / "benchmarks" / "serving.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "serving", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture()
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location(
-        "pareto_cpu", REPO / "benchmarks" / "pareto_cpu.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load(monkeypatch)
 
     class Server:
         stopped = False
@@ -27,13 +35,15 @@ def bench(monkeypatch):
         def stop(self):
             Server.stopped = True
 
-    monkeypatch.setattr(
-        mod, "start_servers", lambda names, dtype, log_dir: {n: Server() for n in names}
-    )
+    def start_servers(arms, dtype, log_dir):
+        Server.arms = dict(arms)
+        return {n: Server() for n in arms}
+
+    monkeypatch.setattr(mod, "start_servers", start_servers)
     return mod, Server
 
 
-SPEED = {"plain": 10.0, "mtp1": 12.0, "dspark-sync": 14.0}
+SPEED = {"plain": 10.0, "mtp1": 12.0, "dspark-sync": 14.0, "dspark-static": 11.0, "off": 7.0}
 
 
 def fake_stage(calls, contaminated):
@@ -149,12 +159,44 @@ def test_a_cell_that_stays_off_is_kept_and_reported(bench, monkeypatch, tmp_path
     assert len(calls) == 3 * 2 + 2
 
 
-def test_departure_is_measured_against_the_other_rounds():
-    from importlib import util
-
-    spec = util.spec_from_file_location("pc", REPO / "benchmarks" / "pareto_cpu.py")
-    mod = util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_departure_is_measured_against_the_other_rounds(monkeypatch):
+    mod = load(monkeypatch)
     assert mod.departs({0: 10.0, 1: 10.5, 2: 8.0}, 2, 0.1) == pytest.approx(8.0 / 10.25 - 1)
     assert mod.departs({0: 10.0, 1: 10.5, 2: 9.5}, 2, 0.1) is None
     assert mod.departs({0: 10.0, 1: None, 2: 9.5}, 1, 0.1) is None
+
+
+def test_a_variant_is_its_base_arm_with_one_change_and_ratios_are_paired(
+    bench, monkeypatch, tmp_path
+):
+    mod, server = bench
+    calls: list = []
+    monkeypatch.setattr(mod, "run_stage", fake_stage(calls, contaminated=None))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--arms", "dspark-static,dspark-sync", "--users", "1,4",
+            "--rounds", "3", "--ratio-to", "dspark-static",
+            "--variant", "off=dspark-sync:SGLANG_DSPARK_DISABLE_HOOKS=a,b:draft=/tmp/d"]  # fmt: skip
+    assert mod.main(argv) == 0
+    off = server.arms["off"]
+    assert list(server.arms) == ["dspark-static", "dspark-sync", "off"]
+    assert (off.kind, off.scheduler, off.draft) == ("dspark", "sync", Path("/tmp/d"))
+    assert (
+        off.env == {"SGLANG_DSPARK_DISABLE_HOOKS": "a,b"} and server.arms["dspark-sync"].env == {}
+    )
+    assert len(calls) == 2 * 3 * 3
+    report = (out / "report.md").read_text()
+    assert "## Against dspark-static, round by round" in report
+    # the synthetic speeds: 14 / 11 for sync and 7 / 11 for off, the same in every round
+    assert "| dspark-sync | 4 | 1.273 [1.273, 1.273] |" in report
+    assert "| off | 1 | 0.636 [0.636, 0.636] |" in report
+
+
+def test_a_variant_must_name_a_known_arm_and_a_new_label(monkeypatch):
+    mod = load(monkeypatch)
+    for bad, why in [("x=nope:A=1", "BASE one of"), ("mtp1=dspark-sync:A=1", "is taken"),
+                     ("x=dspark-sync", "BASE one of"), ("x=dspark-sync:A", "not KEY=VALUE"),
+                     ("x=plain:draft=/d", "no drafter")]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            mod.parse_variant(bad, mod.ARMS)
+    label, arm = mod.parse_variant("ft=mtp1:draft=/d", mod.ARMS)
+    assert label == "ft" and arm.kind == "mtp1" and arm.draft == Path("/d")

@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
-"""DSpark against MTP-1 and plain decoding on the embedded CPU default: the Pareto report.
+"""Serving speed of the embedded CPU default, arms side by side: the Pareto report.
 
-    python benchmarks/pareto_cpu.py --out docs/pareto-cpu [--users 1,2,4,8,16] [--stage-seconds 40]
+    python benchmarks/serving.py --out docs/pareto-cpu [--users 1,2,4,8,16] [--stage-seconds 40]
+    python benchmarks/serving.py --out OUT --arms dspark-static,dspark-sync,dspark-async \
+        --ratio-to dspark-static                                # the scheduler modes
+    python benchmarks/serving.py --out OUT --arms plain,dspark-sync \
+        --variant off=dspark-sync:SGLANG_DSPARK_DISABLE_HOOKS=cpu_sampled_markov_step \
+        --variant ft=dspark-sync:draft=RUNS/ft/draft            # a paired A/B of a change
 
 Arms (same target, same prompts, same output lengths):
 
@@ -9,7 +14,10 @@ Arms (same target, same prompts, same output lengths):
 - `mtp1`: the MTP-1 baseline (SGLang's EAGLE3 worker, one draft token per round, the shipped
   MTP-style drafter; `sglang-dspark embedded --arm mtp1 --print-command`);
 - `dspark-static`, `dspark-sync`, `dspark-async`: DSPARK with the shipped drafter under each
-  `SGLANG_DSPARK_SCHEDULER` mode (static verifies every draft; sync is the embedded default).
+  `SGLANG_DSPARK_SCHEDULER` mode (static verifies every draft; sync is the embedded default);
+- `--variant LABEL=BASE:KEY=VALUE[:KEY=VALUE...]` (repeatable): one more arm, LABEL, that is
+  arm BASE with each KEY=VALUE set in its server's environment, or with another drafter
+  directory for the key `draft` (values cannot hold `:`).
 
 Every server is started at once (`--sleep-on-idle`: an idle one takes no CPU). Then, for each
 round (`--rounds`, at least 3 for intervals) and each concurrency level, every arm in turn (the
@@ -19,7 +27,10 @@ a shared machine falls on every arm alike.
 
 Per stage, x and y come from the same requests (those started inside the stage's window):
 tok/s per user with the time to first token (tokens / e2e: the SLA view, the plotted one) and
-without it (1 / TPOT), aggregate tok/s = users x tokens / busy time.
+without it (1 / TPOT), aggregate tok/s = users x tokens / busy time. `report.md` also gives
+every arm's aggregate tok/s over the `--ratio-to` arm's (default `plain`, else the first arm),
+computed round by round (rounds are interleaved, so paired), and `verify_budget.png` the verify
+window per request against concurrency (the paper's Figure 8).
 
 The plain arm is the contamination control: in a cell where plain's throughput departs from
 the median of its other rounds at that level by more than `--control-tolerance`, the whole
@@ -45,16 +56,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean, median
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One server: an embedded arm (plain, mtp1, dspark), its DSPARK scheduler mode (None: no
+    setting at all), the drafter directory (None: the shipped one) and extra environment."""
+
+    kind: str
+    scheduler: str | None = None
+    draft: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
 ARMS = {
-    "plain": ("plain", None),
-    "mtp1": ("mtp1", None),
-    "dspark-static": ("dspark", "static"),
-    "dspark-sync": ("dspark", "sync"),
-    "dspark-async": ("dspark", "async"),
+    "plain": Arm("plain"),
+    "mtp1": Arm("mtp1"),
+    "dspark-static": Arm("dspark", "static"),
+    "dspark-sync": Arm("dspark", "sync"),
+    "dspark-async": Arm("dspark", "async"),
 }
 COUNTS = ("requests", "failures", "missing_usage", "completed_in_window", "output_tokens")
 # per-round values kept in the merged rows (pareto.py draws intervals from them)
@@ -66,20 +91,47 @@ STAGE_FIELDS = ("order", "minute", "arm", "users", "round", "attempt", "kept", "
                 "failures", *ROUND_KEYS)  # fmt: skip
 
 
-def start_servers(names: list[str], dtype: str, log_dir: Path) -> dict:
+def parse_variant(spec: str, arms: dict[str, Arm]) -> tuple[str, Arm]:
+    """`LABEL=BASE:KEY=VALUE[:KEY=VALUE...]` -> (LABEL, BASE's arm with those settings)."""
+    label, _, rest = spec.partition("=")
+    base, *settings = rest.split(":")
+    if not label or base not in arms or not settings:
+        raise ValueError(f"--variant {spec!r}: expected LABEL=BASE:KEY=VALUE with BASE one of "
+                         f"{', '.join(arms)}, e.g. off=dspark-sync:SGLANG_DSPARK_DISABLE_HOOKS=x")  # fmt: skip
+    if label in arms:
+        raise ValueError(f"--variant {spec!r}: the label {label!r} is taken; choose another")
+    arm = arms[base]
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not (key and eq):
+            raise ValueError(f"--variant {spec!r}: {setting!r} is not KEY=VALUE")
+        if key == "draft":
+            if arm.kind == "plain":
+                raise ValueError(f"--variant {spec!r}: the plain arm has no drafter")
+            arm = replace(arm, draft=Path(value))
+        else:
+            arm = replace(arm, env={**arm.env, key: value})
+    return label, arm
+
+
+def start_servers(arms: dict[str, Arm], dtype: str, log_dir: Path) -> dict:
     from sglang_dspark import embedded
     from sglang_dspark.server import SGLangServer, free_port
 
     paths = embedded.ensure(dtype=dtype)
     servers = {}
-    for name in names:
-        arm, scheduler = ARMS[name]
+    for name, arm in arms.items():
         port = free_port()
-        env = embedded.launch_env(scheduler=scheduler)
-        if scheduler is None:  # plain and MTP-1: no DSPARK scheduler setting at all
+        env = embedded.launch_env(scheduler=arm.scheduler)
+        if arm.scheduler is None:  # plain and MTP-1: no DSPARK scheduler setting at all
             env.pop("SGLANG_DSPARK_SCHEDULER", None)
+        env.update(arm.env)
+        arm_paths = paths
+        if arm.draft is not None:
+            key = "mtp1_draft" if arm.kind == "mtp1" else "draft"
+            arm_paths = replace(paths, **{key: arm.draft})
         servers[name] = SGLangServer(
-            cmd=embedded.launch_command(paths, port=port, dtype=dtype, arm=arm),
+            cmd=embedded.launch_command(arm_paths, port=port, dtype=dtype, arm=arm.kind),
             env=env, port=port, log_path=log_dir / f"{name}.log",
         )  # fmt: skip
     for name, server in servers.items():  # start one by one: start-up is CPU-bound
@@ -159,6 +211,25 @@ def table(arms: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def ratio_table(arms: dict[str, dict], ref: str) -> str:
+    """Every arm's aggregate tok/s over `ref`'s, level by level, round r against round r."""
+    lines = [
+        f"| arm | users | aggregate tok/s / {ref} | tok/s/user / {ref} |",
+        "| --- | --- | --- | --- |",
+    ]
+    base = {r["users"]: r["rounds"] for r in arms[ref]["stages"]}
+    for name, rep in arms.items():
+        if name == ref:
+            continue
+        for r in rep["stages"]:
+            cells = []
+            for key in ("output_tok_s_same", "user_tok_s_e2e_mean"):
+                pairs = zip(r["rounds"][key], base.get(r["users"], {}).get(key, []))
+                cells.append(ci_text([a / b for a, b in pairs if a and b], ".3f"))
+            lines.append(f"| {name} | {r['users']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def departs(values: dict[int, float | None], r: int, tolerance: float) -> float | None:
     """Round r's relative departure from the median of the other rounds, if beyond tolerance."""
     others = [v for k, v in values.items() if k != r and v]
@@ -216,20 +287,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-tolerance", type=float, default=0.10,
                         help="plain's departure from its other rounds that re-runs a cell")  # fmt: skip
     parser.add_argument("--max-reruns", type=int, default=1, help="re-runs per cell")
+    parser.add_argument("--variant", action="append", default=[],
+                        metavar="LABEL=BASE:KEY=VALUE[:KEY=VALUE...]",
+                        help="one more arm: BASE with environment settings or draft=DIR "
+                        "(repeatable)")  # fmt: skip
+    parser.add_argument("--ratio-to", default=None,
+                        help="the arm every other arm's throughput is divided by "
+                        "(default: plain, else the first arm)")  # fmt: skip
     parser.add_argument("--raw", type=Path, default=None, help="keep the locust dumps here")
     args = parser.parse_args(argv)
 
+    known = dict(ARMS)
+    try:
+        for spec in args.variant:
+            label, arm = parse_variant(spec, known)
+            known[label] = arm
+    except ValueError as e:
+        parser.error(str(e))
     names = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in names if a not in ARMS]
+    unknown = [a for a in names if a not in known]
     if unknown:
-        parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(known)} or add --variant")
+    names += [label for label in known if label not in ARMS and label not in names]
+    ref = args.ratio_to or ("plain" if "plain" in names else names[0])
+    if ref not in names:
+        parser.error(f"--ratio-to {ref}: not among the arms run ({', '.join(names)})")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1 (3 or more for confidence intervals)")
     levels = [int(u) for u in args.users.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="pareto-cpu-"))
     raw = args.raw or log_dir / "raw"
-    servers = start_servers(names, args.dtype, log_dir)
+    servers = start_servers({n: known[n] for n in names}, args.dtype, log_dir)
     cells: dict[tuple[int, int], dict[str, dict]] = {}  # (users, round) -> arm -> report
     stages: list[dict] = []
     samples: list[dict] = []
@@ -302,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     sla_view = run_pareto(summaries, args.out, arm=arm, baseline=base, x_metric="e2e")
     streaming = run_pareto(summaries, args.out / "no-ttft", arm=arm, baseline=base,
                            x_metric="mean")  # fmt: skip
-    cmd = "python benchmarks/pareto_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    ratios = ratio_table(arms, ref) if len(names) > 1 else "(one arm)"
     control = "\n".join(f"- {n}" for n in notes) or (
         "- every cell's plain throughput within the tolerance of its other rounds"
         if "plain" in names and args.rounds >= 3
@@ -310,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = (
         f"# Pareto on the embedded CPU default\n\n`{cmd}`\n\nMean over rounds [95% CI]; x and y "
-        f"of a point from the same requests.\n\n{table(arms)}\n\n## Contamination control "
+        f"of a point from the same requests.\n\n{table(arms)}\n\n## Against {ref}, round by round\n\n"
+        f"{ratios}\n\n## Contamination control "
         f"(plain, tolerance {args.control_tolerance:.0%})\n\n{control}\n\n"
         f"## Pareto, TTFT included (pareto.png)\n\n```\n{render(sla_view)}\n```\n\n"
         f"## Pareto, after the first token (no-ttft/pareto.png)\n\n```\n{render(streaming)}\n```\n"
