@@ -32,6 +32,9 @@ ARMS = ("dspark", "mtp1", "plain")
 MTP1_ARGS = (
     "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1",
     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2",
+    # The baseline at its best: drafts sampled from q and verified against q (1 - TV), not the
+    # argmax of q verified target-only (p(argmax q)).
+    "--speculative-use-rejection-sampling",
 )  # fmt: skip
 MAX_TOTAL_TOKENS = 16384
 MAX_RUNNING_REQUESTS = 16

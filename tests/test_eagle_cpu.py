@@ -16,7 +16,10 @@ import pytest
 import torch
 from conftest import controls
 
-from sglang_dspark.plugin.cpu_eagle import tree_speculative_sampling_target_only_torch
+from sglang_dspark.plugin.cpu_eagle import (
+    chain_speculative_sampling_cpu,
+    tree_speculative_sampling_target_only_torch,
+)
 
 SCRIPT = textwrap.dedent(
     """
@@ -105,8 +108,10 @@ def test_tree_and_renorm_ops_are_identical_to_sglang_triton_kernels():
     assert "IDENTICAL 40" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-def _first_tokens(p_t, q, n, *, broken=False, seed=0):
-    """One draft from q per request, verified target-only; returns each request's first token."""
+def _first_tokens(p_t, q, n, *, broken=False, seed=0, verify_against_q=False):
+    """One draft from q per request, verified target-only (or, with `verify_against_q`, by
+    rejection sampling against q: `--speculative-use-rejection-sampling`); returns each
+    request's first token and whether its draft was kept."""
     g = torch.Generator().manual_seed(seed)
     vocab = p_t.numel()
     drafts = torch.multinomial(q, n, replacement=True, generator=g)
@@ -119,10 +124,16 @@ def _first_tokens(p_t, q, n, *, broken=False, seed=0):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        tree_speculative_sampling_target_only_torch(
+        verify = (
+            chain_speculative_sampling_cpu
+            if verify_against_q
+            else tree_speculative_sampling_target_only_torch
+        )
+        verify(
             predicts, accept_index, accepted, torch.stack([torch.zeros_like(drafts), drafts], 1),
             torch.arange(2 * n).view(n, 2), None, None, torch.rand(n, 2, generator=g),
-            torch.rand(n, generator=g), target, torch.zeros(n, 1, vocab),
+            torch.rand(n, generator=g), target, q.expand(n, 1, vocab).contiguous(), 1.0, 1.0,
+            True,
         )  # fmt: skip
     finally:
         for k, v in old.items():
@@ -143,3 +154,41 @@ def test_target_only_verification_is_lossless_and_broken_sampler_is_not():
     broken, kept = _first_tokens(p_t, q, n, broken=True)
     assert kept.all()
     assert not torch.allclose(torch.bincount(broken, minlength=4).float() / n, p_t, atol=0.006)
+
+
+def test_rejection_sampling_verification_is_lossless_and_accepts_one_minus_tv():
+    """`--speculative-use-rejection-sampling` (the embedded MTP-1 arm): a draft sampled from q
+    and verified against q is kept with probability min(1, p/q), so the mean acceptance is
+    sum_x min(p, q) = 1 - TV, above target-only's sum_x q(x) p(x) for the same draft."""
+    p_t = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.4, 0.2, 0.3, 0.1])
+    n = 200_000
+    first, accepted = _first_tokens(p_t, q, n, verify_against_q=True)
+    freq = torch.bincount(first, minlength=4).float() / n
+    assert torch.allclose(freq, p_t, atol=0.006), freq
+    assert abs(accepted.float().mean() - torch.minimum(p_t, q).sum()) < 0.005
+    _, target_only = _first_tokens(p_t, q, n)
+    assert accepted.float().mean() > target_only.float().mean() + 0.3
+    broken, kept = _first_tokens(p_t, q, n, broken=True, verify_against_q=True)
+    assert kept.all()
+    assert not torch.allclose(torch.bincount(broken, minlength=4).float() / n, p_t, atol=0.006)
+
+
+def test_the_hook_routes_upstream_chain_kernel_to_the_cpu_sampler():
+    """On CPU, eagle_utils' Triton chain kernel (what upstream's verify calls under
+    --speculative-use-rejection-sampling) is replaced by our chain sampler."""
+    script = textwrap.dedent(
+        """
+        from sglang.srt.speculative import eagle_utils
+        from sglang_dspark.plugin import cpu_eagle
+        cpu_eagle.install_sampling_verify()
+        ok = eagle_utils.chain_speculative_sampling_triton is cpu_eagle.chain_speculative_sampling_cpu
+        print("ROUTED" if ok else "NOT ROUTED")
+        """
+    )
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+        check=False,
+    )  # fmt: skip
+    assert "ROUTED" in proc.stdout.splitlines(), proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -528,7 +528,11 @@ def test_gpu_profiles_keep_overlap_scheduling_and_the_cpu_profile_runs_algorithm
     resolved = launch_device(SimpleNamespace(device=device or "cuda"))  # a GPU node
     assert default_mode(resolved) == mode
     assert apply_mode_env(dict(env), default=default_mode(resolved)) == mode  # no conflict
-    without = {k: v for k, v in env.items() if k not in ("SGLANG_DSPARK_SCHEDULER", "SGLANG_RAGGED_VERIFY_MODE")}
+    without = {
+        k: v
+        for k, v in env.items()
+        if k not in ("SGLANG_DSPARK_SCHEDULER", "SGLANG_RAGGED_VERIFY_MODE")
+    }
     assert apply_mode_env(without, default=default_mode(resolved)) == mode  # the same unset
 
 
@@ -856,6 +860,30 @@ def test_mtp1_profile_runs_single_token_speculation():
     assert info["EXPECT_ALGORITHMS"]["value"] == "EAGLE3"
     assert info["EXPECT_NUM_DRAFT_TOKENS"]["value"] == "2"
     assert info["EXPECT_NUM_STEPS"]["value"] == "1"
+
+
+def test_mtp1_rejection_sampling_is_a_value_that_needs_topk_1(tmp_path):
+    """The V4 MTP-1 baseline samples its draft and verifies it against q (its NextN layer shares
+    the target's vocabulary); the Qwen3 EAGLE-3 baseline does not ask for it; topk > 1 fails."""
+    v4 = parse_args(
+        container(server_pod(render(PROFILES["deepseek-v4-flash-mtp1-baseline"])), "sglang")["args"]
+    )
+    assert "--speculative-use-rejection-sampling" in v4
+    qwen = parse_args(
+        container(server_pod(render(PROFILES["qwen3-8b-mtp1-baseline"])), "sglang")["args"]
+    )
+    assert "--speculative-use-rejection-sampling" not in qwen
+    bad = values_file(
+        tmp_path,
+        {
+            "speculative": {
+                "eagle": {"topk": 2, "numSteps": 2, "numDraftTokens": 4, "rejectionSampling": True}
+            }
+        },
+    )
+    proc = template(PROFILES["qwen3-8b-mtp1-baseline"], bad)
+    assert proc.returncode != 0
+    assert "speculative.eagle.rejectionSampling needs speculative.eagle.topk 1" in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -124,9 +124,9 @@ def test_broken_sampler_fails_the_same_test(servers, embedded_paths, prompt_ids,
 def test_mtp1_baseline_temperature_1_matches_target_and_broken_sampler_does_not(
     servers, embedded_paths, prompt_ids, reference
 ):
-    """The MTP-1 baseline on CPU verifies temperature-1 requests by target-only rejection
-    sampling (upstream forces the target's argmax on CPU): the same per-position tests pass,
-    and fail when the sampler keeps every draft."""
+    """The MTP-1 baseline on CPU samples its draft from q and verifies it against q by chain
+    rejection sampling (--speculative-use-rejection-sampling; upstream forces the target's argmax
+    on CPU): the same per-position tests pass, and fail when the sampler keeps every draft."""
     samples, correct, proposed, _ = _collect(servers.get(embedded_paths, arm="mtp1"), prompt_ids)
     assert 0 < correct < proposed, f"{correct} of {proposed} drafts accepted"
     report = compare_samples(samples, reference, POSITIONS, joint_positions=JOINT, alpha=ALPHA)

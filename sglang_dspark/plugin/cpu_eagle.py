@@ -18,7 +18,10 @@ a named hook:
   a temperature-1 request silently gets the target's argmax: not lossless. We take the sampling
   path, with target-only rejection sampling (our chain sampler with one-hot draft
   probabilities: accept x with probability p(x), else resample from p without x; lossless for
-  any proposal) and top-k / top-p renormalisation in torch.
+  any proposal) and top-k / top-p renormalisation in torch. With
+  `--speculative-use-rejection-sampling` (the embedded MTP-1 arm's setting) the draft is
+  sampled from q and verified against it by our chain sampler: E[accept] = 1 - TV(p, q)
+  instead of p(argmax q). Same 30 prompts at T=1: accept length 1.22 -> 1.35.
 - `cpu_row_argmax`: draft proposals (Gumbel-max `fast_sample`) call the Triton-only
   `row_argmax`; on CPU tensors it is `argmax(-1)`.
 """
@@ -249,6 +252,16 @@ def tree_speculative_sampling_target_only_torch(
     )  # fmt: skip
 
 
+def chain_speculative_sampling_cpu(*args, **kwargs):
+    """`--speculative-use-rejection-sampling` on CPU: the draft is sampled from q and verified
+    against q (chain rejection sampling, accept x with min(1, p(x)/q(x)), else resample from
+    norm(max(p - q, 0))). Upstream's Triton chain kernel, as `chain_speculative_sampling_torch`
+    looked up at each call."""
+    from sglang_dspark import rejection
+
+    return rejection.chain_speculative_sampling_torch(*args, **kwargs)
+
+
 def _renorm_from_pivots(probs: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
     kept = torch.where(probs >= pivots[:, None], probs, torch.zeros_like(probs))
     return kept / kept.sum(-1, keepdim=True)
@@ -293,6 +306,7 @@ def install_sampling_verify() -> None:
     # None-valued upstream names: assigned directly (a HookRegistry REPLACE would rebind every
     # None-valued global of the same name in sys.modules).
     eagle_utils.tree_speculative_sampling_target_only = tree_speculative_sampling_target_only_torch
+    eagle_utils.chain_speculative_sampling_triton = chain_speculative_sampling_cpu
     if eagle_utils.top_k_renorm_prob is None:
         eagle_utils.top_k_renorm_prob = top_k_renorm_prob_torch
     if eagle_utils.top_p_renorm_prob is None:

@@ -258,6 +258,12 @@ spec:
         - {{ int $spec.eagle.topk | quote }}
         - --speculative-num-draft-tokens
         - {{ int $spec.eagle.numDraftTokens | quote }}
+        {{- if $spec.eagle.rejectionSampling }}
+        {{- if ne (int $spec.eagle.topk) 1 }}
+        {{- fail (printf "speculative.eagle.rejectionSampling needs speculative.eagle.topk 1 (SGLang's chain rejection sampler verifies one chain); got topk %d" (int $spec.eagle.topk)) }}
+        {{- end }}
+        - --speculative-use-rejection-sampling
+        {{- end }}
         {{- end }}
         {{- range $s.extraArgs }}
         - {{ . | quote }}
