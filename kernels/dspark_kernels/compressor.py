@@ -199,6 +199,96 @@ def _check(kv_score, state, ape, ratio, head_dim):
         )
 
 
+def _addressing(addr: StateAddressing) -> tuple:
+    return (
+        addr.req_pool_indices,
+        addr.req_to_token,
+        addr.req_to_token.stride(0),
+        addr.full_to_swa,
+        addr.swa_page_size,
+        addr.ring_size,
+    )
+
+
+def compress_pool(
+    kv_score: torch.Tensor,
+    state: torch.Tensor,
+    ape: torch.Tensor,
+    plan: RaggedVerifyPlan,
+    addr: StateAddressing,
+    ratio: int,
+) -> torch.Tensor:
+    """Triton, step (1) of `compress_verify`: the pooled rows `[T, D]` float32 (rounded to
+    bf16 for a bf16 `kv_score`), meaningful where a token closes a group. Reads the state ring,
+    writes nothing."""
+    head_dim = ape.shape[-1]
+    _check(kv_score, state, ape, ratio, head_dim)
+    tokens = kv_score.shape[0]
+    if tokens != plan.num_tokens:
+        raise ValueError(f"kv_score must have one row per plan token ({plan.num_tokens})")
+    input_bf16 = kv_score.dtype == torch.bfloat16
+    ape = ape.to(kv_score.dtype).contiguous()
+    out = torch.empty(tokens, head_dim, dtype=torch.float32, device=kv_score.device)
+    if tokens == 0:
+        return out
+    block_d = 128 if ratio == 4 else 64
+    _compress_kernel[(tokens, head_dim // block_d)](
+        kv_score,
+        kv_score.stride(0),
+        state,
+        state.stride(0),
+        ape,
+        out,
+        plan.token_req,
+        plan.token_pos,
+        plan.prefix_lens,
+        *_addressing(addr),
+        D=head_dim,
+        RATIO=ratio,
+        WINDOW=8 if ratio == 4 else 128,
+        BLOCK_D=block_d,
+        REQ_RING=ratio == 128 or addr.use_req_ring,
+        ROUND_STATE=input_bf16 and state.dtype == torch.float32,
+        ROUND_OUT=input_bf16,
+        num_warps=4,
+    )
+    return out
+
+
+def compress_state_write(
+    kv_score: torch.Tensor,
+    state: torch.Tensor,
+    plan: RaggedVerifyPlan,
+    addr: StateAddressing,
+    ratio: int,
+) -> None:
+    """Triton, step (3) of `compress_verify`: write the tokens later steps need to the state
+    ring (SGLang's write plan). Run it after `compress_pool`, which reads the pre-write ring."""
+    if kv_score.shape[0] == 0:
+        return
+    req_ring = ratio == 128 or addr.use_req_ring
+    _state_write_kernel[(kv_score.shape[0],)](
+        kv_score,
+        kv_score.stride(0),
+        state,
+        state.view(torch.int16) if state.dtype == torch.bfloat16 else state,
+        state.stride(0),
+        plan.token_req,
+        plan.token_pos,
+        plan.prefix_lens,
+        plan.verify_lens,
+        *_addressing(addr),
+        write_pad(ratio, addr.ring_size),
+        ROW=kv_score.shape[1],
+        RATIO=ratio,
+        OVERLAP=4 if ratio == 4 else 0,
+        REQ_RING=req_ring,
+        PAGE_TAIL=ratio == 4 and not req_ring,
+        STATE_BF16=state.dtype == torch.bfloat16,
+        num_warps=4,
+    )
+
+
 def compress_verify(
     kv_score: torch.Tensor,
     state: torch.Tensor,
@@ -221,51 +311,14 @@ def compress_verify(
     `page_size` tokens for `D = 512`, indexer pages for `D = 128`; written in place). Returns the
     compressed rows `[T, D]` float32, meaningful where a token closes a group.
     """
-    head_dim = ape.shape[-1]
-    _check(kv_score, state, ape, ratio, head_dim)
-    tokens = kv_score.shape[0]
-    if tokens != plan.num_tokens or out_loc.shape != (tokens,):
-        raise ValueError(
-            f"kv_score and out_loc must have one row per plan token ({plan.num_tokens})"
-        )
-    req_ring = ratio == 128 or addr.use_req_ring
-    input_bf16 = kv_score.dtype == torch.bfloat16
-    ape = ape.to(kv_score.dtype).contiguous()
-    out = torch.empty(tokens, head_dim, dtype=torch.float32, device=kv_score.device)
-    if tokens == 0:
+    if out_loc.shape != (kv_score.shape[0],):
+        raise ValueError(f"out_loc must have one row per plan token ({plan.num_tokens})")
+    out = compress_pool(kv_score, state, ape, plan, addr, ratio)
+    if out.shape[0] == 0:
         return out
-    addressing = (
-        addr.req_pool_indices,
-        addr.req_to_token,
-        addr.req_to_token.stride(0),
-        addr.full_to_swa,
-        addr.swa_page_size,
-        addr.ring_size,
-    )
-    block_d = 128 if ratio == 4 else 64
-    _compress_kernel[(tokens, head_dim // block_d)](
-        kv_score,
-        kv_score.stride(0),
-        state,
-        state.stride(0),
-        ape,
-        out,
-        plan.token_req,
-        plan.token_pos,
-        plan.prefix_lens,
-        *addressing,
-        D=head_dim,
-        RATIO=ratio,
-        WINDOW=8 if ratio == 4 else 128,
-        BLOCK_D=block_d,
-        REQ_RING=req_ring,
-        ROUND_STATE=input_bf16 and state.dtype == torch.float32,
-        ROUND_OUT=input_bf16,
-        num_warps=4,
-    )
     weight = norm_weight.to(kv_score.dtype).contiguous()
     freqs = freqs_as_real(freqs_cis)
-    if head_dim == HEAD_DIM:
+    if out.shape[1] == HEAD_DIM:
         check_v4_cache(cache, page_size)
         launch_v4_store(
             out, weight, norm_eps, freqs, plan.token_pos, out_loc, cache, page_size, ratio, True
@@ -274,26 +327,7 @@ def compress_verify(
         index_k_store(
             out, weight, norm_eps, freqs, plan.token_pos, out_loc, cache, ratio, page_size
         )
-    _state_write_kernel[(tokens,)](
-        kv_score,
-        kv_score.stride(0),
-        state,
-        state.view(torch.int16) if state.dtype == torch.bfloat16 else state,
-        state.stride(0),
-        plan.token_req,
-        plan.token_pos,
-        plan.prefix_lens,
-        plan.verify_lens,
-        *addressing,
-        write_pad(ratio, addr.ring_size),
-        ROW=kv_score.shape[1],
-        RATIO=ratio,
-        OVERLAP=4 if ratio == 4 else 0,
-        REQ_RING=req_ring,
-        PAGE_TAIL=ratio == 4 and not req_ring,
-        STATE_BF16=state.dtype == torch.bfloat16,
-        num_warps=4,
-    )
+    compress_state_write(kv_score, state, plan, addr, ratio)
     return out
 
 

@@ -23,12 +23,21 @@ first group) and writes the plan's state rows after all compressions, as the CUD
 `compress_norm_rope_store` stores with `kv_norm_rope_store_reference(round_nope_bf16=True)` /
 `index_k_store_reference` (`dspark_kernels`, byte-exact against the CUDA stores on the kernel
 tests). Only V4's layout: no fp4 indexer, bf16 store, two-pool fp8 or online C128.
+
+With `SGLANG_DSPARK_V4_KERNELS=triton` (see `v4_kernels`) the plan also carries the per-token
+ragged plan (`dspark_kernels.ragged_plan.ragged_verify_plan`) and the state addressing, and
+`compress_forward` pools and writes the state ring with `dspark_kernels.compressor`'s Triton
+kernels (`compress_pool`, `compress_state_write`; the compact plan still orders the output
+rows), the store with `kv_norm_rope_store` / `index_k_store`.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from sglang_dspark.plugin import v4_kernels
 from sglang_dspark.plugin.registry import register_around
 
 COMPRESS = "sglang.kernels.ops.attention.dsv4.compress"
@@ -38,6 +47,17 @@ _NEG_FLT_MAX = -3.4028234663852886e38
 
 def _window(ratio: int) -> int:
     return 8 if ratio == 4 else 128
+
+
+@functools.cache
+def _ragged_plan_class():
+    from sglang.kernels.ops.attention.dsv4.compress import CompressorPrefillPlan
+
+    class RaggedCompressorPlan(CompressorPrefillPlan):
+        """SGLang's compact prefill plan, plus what the Triton compressor reads: `tokens`
+        (`RaggedVerifyPlan`) and `addr` (`StateAddressing`)."""
+
+    return RaggedCompressorPlan
 
 
 def plan_on_cpu(
@@ -51,8 +71,10 @@ def plan_on_cpu(
     extend_lens: torch.Tensor | None = None,
     seq_lens_cpu=None,
     extend_lens_cpu=None,
+    kernels: str | None = None,
 ):
-    """SGLang's `CompressorPrefillPlan` for this batch, built on the host."""
+    """SGLang's `CompressorPrefillPlan` for this batch, built on the host; for the Triton
+    compressor (`kernels`, default `SGLANG_DSPARK_V4_KERNELS`) with its ragged plan."""
     from dspark_kernels.ragged_plan import (
         StateAddressing,
         compress_plans_reference,
@@ -77,7 +99,18 @@ def plan_on_cpu(
     prefix = [s - e for s, e in zip(seq, ext)]
     plan_c, plan_w = compress_plans_reference(ext, prefix, compress_ratio, addr)
     plan_c, plan_w = pack_compress_plans(plan_c, plan_w)
-    return CompressorPrefillPlan(compress_ratio, plan_c, plan_w)
+    if (kernels or v4_kernels.v4_kernels()) != v4_kernels.TRITON or not seq:
+        return CompressorPrefillPlan(compress_ratio, plan_c, plan_w)
+    from dspark_kernels.ragged_plan import ragged_verify_plan
+
+    plan = _ragged_plan_class()(compress_ratio, plan_c, plan_w)
+    plan.tokens = ragged_verify_plan(
+        torch.tensor(ext, dtype=torch.int32, device=seq_lens.device),
+        torch.tensor(prefix, dtype=torch.int32, device=seq_lens.device),
+        sum(ext),
+    )
+    plan.addr = addr
+    return plan
 
 
 def unpack_plan_c(plan_c: torch.Tensor) -> torch.Tensor:
@@ -143,10 +176,46 @@ def compress_forward_torch(
     return out
 
 
+def compress_forward_triton(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    plan,
+    *,
+    head_dim: int,
+    compress_ratio: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`compress_forward_torch` by `dspark_kernels.compressor`'s Triton kernels, for a plan
+    from `plan_on_cpu(kernels="triton")`: every token's pooled row, those of the compact plan
+    (its order) returned, then the state write."""
+    from dspark_kernels.compressor import compress_pool, compress_state_write
+
+    if not hasattr(plan, "tokens"):
+        raise RuntimeError(
+            f"{v4_kernels.ENV}=triton: this compressor plan has no ragged plan; it was built "
+            "before the switch was read (set the variable before the server starts)"
+        )
+    if kv_score_input.device.type == "cpu":
+        v4_kernels.require_interpreter()
+    state = kv_score_buffer.view(-1, kv_score_buffer.shape[-1])
+    ape = ape.reshape(-1, head_dim)
+    rows = unpack_plan_c(plan[1])
+    if out is None:
+        out = kv_score_input.new_empty((rows.shape[0], head_dim))
+    pooled = compress_pool(kv_score_input, state, ape, plan.tokens, plan.addr, compress_ratio)
+    out.copy_(pooled[rows[:, 1]].to(kv_score_input.dtype))
+    compress_state_write(kv_score_input, state, plan.tokens, plan.addr, compress_ratio)
+    return out
+
+
 def compress_norm_rope_store_torch(
-    kv: torch.Tensor, plan, *, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size
-) -> None:
-    """`compress_norm_rope_store` for a prefill plan, V4 layout (512) or indexer K (128)."""
+    kv: torch.Tensor, plan, *, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size,
+    kernels: str | None = None,
+) -> None:  # fmt: skip
+    """`compress_norm_rope_store` for a prefill plan, V4 layout (512) or indexer K (128), by
+    `dspark_kernels`' references or (`kernels`, default `SGLANG_DSPARK_V4_KERNELS`) its Triton
+    stores."""
     from dspark_kernels.indexer_query import index_k_store_reference
     from dspark_kernels.kv_store import kv_norm_rope_store_reference
 
@@ -156,15 +225,30 @@ def compress_norm_rope_store_torch(
     positions = rows[:, 0] - plan.compress_ratio
     loc = out_loc[rows[:, 1]]
     weight = norm_weight.to(kv.dtype)
-    if kv.shape[-1] == 512:
+    if kv.shape[-1] not in (512, 128):
+        raise NotImplementedError(f"no CPU compressor store for head_dim {kv.shape[-1]}")
+    if (kernels or v4_kernels.v4_kernels()) == v4_kernels.TRITON:
+        from dspark_kernels.indexer_query import index_k_store
+        from dspark_kernels.kv_store import kv_norm_rope_store
+
+        if kv.device.type == "cpu":
+            v4_kernels.require_interpreter()
+        kv, loc, seq_len = kv.contiguous(), loc.contiguous(), rows[:, 0].to(kv.device)
+        if kv.shape[-1] == 512:
+            kv_norm_rope_store(
+                kv, weight, norm_eps, freq_cis, seq_len - plan.compress_ratio, loc,
+                kvcache.view(-1, kvcache.shape[-1]), page_size, round_nope_bf16=True,
+            )  # fmt: skip
+        else:  # the kernel ropes a closing token's row at the group's first position
+            index_k_store(kv, weight, norm_eps, freq_cis, seq_len - 1, loc, kvcache,
+                          plan.compress_ratio, page_size)  # fmt: skip
+    elif kv.shape[-1] == 512:
         kv_norm_rope_store_reference(
             kv, weight, norm_eps, freq_cis, positions, loc, kvcache, page_size,
             round_nope_bf16=True,
         )  # fmt: skip
-    elif kv.shape[-1] == 128:
-        index_k_store_reference(kv, weight, norm_eps, freq_cis, positions, loc, kvcache, page_size)
     else:
-        raise NotImplementedError(f"no CPU compressor store for head_dim {kv.shape[-1]}")
+        index_k_store_reference(kv, weight, norm_eps, freq_cis, positions, loc, kvcache, page_size)
 
 
 def _planner(original, compress_ratio, **kwargs):
@@ -190,7 +274,8 @@ def _compress_forward(original, kv_score_buffer, kv_score_input, ape, plan, **kw
         return original(kv_score_buffer, kv_score_input, ape, plan, **kwargs)
     if kwargs.get("is_online") or plan.is_decode:
         raise NotImplementedError("the CPU compressor runs SGLang's prefill plans only")
-    return compress_forward_torch(
+    forward = compress_forward_triton if v4_kernels.use_triton() else compress_forward_torch
+    return forward(
         kv_score_buffer, kv_score_input, ape, plan, head_dim=kwargs["head_dim"],
         compress_ratio=kwargs["compress_ratio"], out=kwargs.get("out"),
     )  # fmt: skip

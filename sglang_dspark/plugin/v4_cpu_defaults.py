@@ -19,6 +19,11 @@ that is unset to its CPU value, before SGLang starts any process (they inherit t
 declares the torch top-k backends where the CUDA default `sgl-kernel` is in place. A value
 that contradicts the CPU choice (e.g. `SGLANG_OPT_USE_TILELANG_MHC_PRE=1`,
 `--dsa-topk-backend flashinfer`) is refused with the line that fixes it.
+
+With `SGLANG_DSPARK_V4_KERNELS=triton` (`v4_kernels`) it also sets `TRITON_INTERPRET=1` where
+unset, so the processes SGLang spawns import Triton under its interpreter (the hooks' Triton
+kernels then take CPU tensors); a bad switch value or `TRITON_INTERPRET` other than 1 is
+refused with the fix.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 
+from sglang_dspark.plugin import v4_kernels
 from sglang_dspark.plugin.registry import register_before
 
 logger = logging.getLogger(__name__)
@@ -109,6 +115,9 @@ def _v4_defaults_for_cpu(server_args, model_arch) -> None:
     for name in apply_cpu_env():
         logger.info("sglang-dspark: DeepSeek-V4 on --device cpu: %s=%s set for this launch",
                     name, os.environ[name])  # fmt: skip
+    if v4_kernels.ensure_interpreter_for_cpu():
+        logger.info("sglang-dspark: DeepSeek-V4 on --device cpu with %s=triton: %s=1 set for "
+                    "this launch", v4_kernels.ENV, v4_kernels.INTERPRET_ENV)  # fmt: skip
     declared = topk_backends(view)
     if declared:
         declare_resolution(server_args, "sglang-dspark v4_cpu_defaults", **declared)

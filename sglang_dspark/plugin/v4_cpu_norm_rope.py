@@ -15,13 +15,16 @@ On CPU tensors the hook runs torch versions with the kernels' rounding: the quer
 the activation dtype before its RoPE (as the kernel's `cast<DType>(x * norm_factor)`), RoPE
 pairs are (even, odd) dims rotated in float32 and rounded once; the KV store and the indexer
 query are `dspark_kernels`' references (`kv_norm_rope_store_reference`,
-`indexer_query_reference`, byte-exact against these kernels on the kernel tests).
+`indexer_query_reference`, byte-exact against these kernels on the kernel tests), or with
+`SGLANG_DSPARK_V4_KERNELS=triton` its Triton kernels (`kv_norm_rope_store`, `indexer_query`;
+see `v4_kernels`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sglang_dspark.plugin import v4_kernels
 from sglang_dspark.plugin.registry import register_around
 
 NORM_ROPE = "sglang.kernels.ops.attention.dsv4.norm_rope"
@@ -72,28 +75,60 @@ def _rope_inplace(original, q, k, freqs_cis, positions, inverse=False):
         rope_pairs_(k, freqs_cis, positions, inverse)
 
 
+def swa_kv_store(kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache, page_size,
+                 kernels: str | None = None) -> None:  # fmt: skip
+    """`fused_k_norm_rope_flashmla` (V4 layout) by `dspark_kernels`: the reference, or the
+    Triton kernel with `kernels="triton"` (default: `SGLANG_DSPARK_V4_KERNELS`)."""
+    if (kernels or v4_kernels.v4_kernels()) == v4_kernels.TRITON:
+        from dspark_kernels.kv_store import kv_norm_rope_store
+
+        if kv.device.type == "cpu":
+            v4_kernels.require_interpreter()
+        kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+        pages = kvcache.view(-1, kvcache.shape[-1])
+        kv_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, out_loc, pages, page_size)
+    else:
+        from dspark_kernels.kv_store import kv_norm_rope_store_reference
+
+        kv_norm_rope_store_reference(
+            kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache, page_size
+        )
+
+
+def indexer_query_fp8(q_input, weight, weight_scale, freqs_cis, positions,
+                      kernels: str | None = None):  # fmt: skip
+    """`fused_q_indexer_rope_hadamard_quant` by `dspark_kernels` (reference or Triton, as
+    `swa_kv_store`): (q_fp8 `[n, H, 128]`, weights `[n, H, 1]`)."""
+    if (kernels or v4_kernels.v4_kernels()) == v4_kernels.TRITON:
+        from dspark_kernels.indexer_query import indexer_query
+
+        if q_input.device.type == "cpu":
+            v4_kernels.require_interpreter()
+        return indexer_query(
+            q_input.contiguous(), weight.contiguous(), weight_scale, freqs_cis, positions
+        )
+    from dspark_kernels.indexer_query import indexer_query_reference
+
+    return indexer_query_reference(q_input, weight, weight_scale, freqs_cis, positions)
+
+
 def _k_norm_rope_store(original, kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache,
                        page_size, layout="v4", q=None):  # fmt: skip
     if kv.device.type != "cpu":
         return original(
             kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache, page_size, layout, q
         )
-    from dspark_kernels.kv_store import kv_norm_rope_store_reference
     from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
 
     if KVLayout.parse(layout) is not KVLayout.V4 or q is not None:
         raise NotImplementedError("the CPU KV store writes V4's layout only, without q rope")
-    kv_norm_rope_store_reference(
-        kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache, page_size
-    )
+    swa_kv_store(kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache, page_size)
 
 
 def _indexer_query(original, q_input, weight, weight_scale, freqs_cis, positions):
     if q_input.device.type != "cpu":
         return original(q_input, weight, weight_scale, freqs_cis, positions)
-    from dspark_kernels.indexer_query import indexer_query_reference
-
-    return indexer_query_reference(q_input, weight, weight_scale, freqs_cis, positions)
+    return indexer_query_fp8(q_input, weight, weight_scale, freqs_cis, positions)
 
 
 def install() -> None:
