@@ -109,6 +109,7 @@ class ServerPool:
         from dataclasses import replace
 
         from sglang_dspark import embedded
+        from sglang_dspark.plugin import plain_rounds
         from sglang_dspark.server import SGLangServer, free_port
 
         env = dict(env or {})
@@ -125,6 +126,10 @@ class ServerPool:
         port = free_port()
         switch = self.log_dir / f"break-sampler-{port}"
         launch_env = {**embedded.launch_env(), **env}
+        # Every DSPARK round drafts unless a test asks otherwise: the tests that compare rounds,
+        # traces or accepted drafts need them all drafted; the plain-round policy
+        # (`cpu_plain_rounds`, on by default in a server) has its own tests.
+        launch_env.setdefault(plain_rounds.MODE_ENV, "off")
         if speculative:  # the broken-sampler switch: a test-only plugin on the server's path
             launch_env = controls.server_env(launch_env)
             if controls.MODE_ENV not in env:

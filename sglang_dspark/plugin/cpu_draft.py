@@ -111,6 +111,17 @@ def _propose(
     budget = _budget_planner(proposer)
     if not _applies(proposer, budget, sampling_info, device):
         return original(proposer, **kwargs)
+    from sglang_dspark.plugin import plain_rounds
+
+    if (
+        plain_rounds.wanted(proposer)
+        and int(budget.cfg.min_verify_len) <= 1
+        and getattr(proposer, "deferred_commit", None) is None
+    ):
+        return plain_rounds.plain_proposal(
+            proposer, draft_input=draft_input, bs=bs, device=device,
+            sampling_info=sampling_info, anchor_prepared=anchor_prepared,
+        )  # fmt: skip
     import torch
     from sglang.srt.lora.layers import unwrap_lora_layer
     from sglang.srt.speculative.dspark_components.dspark_draft import (

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from sglang_dspark.plugin.registry import register_after, register_around
+from sglang_dspark.plugin.registry import applied_check, register_after, register_around
 
 
 class _AcceleratorView:
@@ -54,6 +54,15 @@ def install_device_gate() -> None:
     register_around("sglang.srt.arg_groups.speculative_hook._handle_dspark", _handle_dspark_on_cpu)
 
 
+@applied_check("torch_native_draft_backend")
+def _draft_backend_applied() -> str | None:
+    from sglang.srt.arg_groups import choices
+
+    if "torch_native" not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
+        return "torch_native is still missing from DRAFT_ATTENTION_BACKEND_CHOICES"
+    return None
+
+
 def install_torch_native_draft_backend() -> None:
     from sglang.srt.arg_groups import choices
 
@@ -69,6 +78,13 @@ def _record_stream(self, stream):
     if self.device.type == "cpu":
         return None
     return _original_record_stream(self, stream)
+
+
+@applied_check("cpu_record_stream_noop")
+def _record_stream_applied() -> str | None:
+    if torch.Tensor.record_stream is not _record_stream:
+        return "torch.Tensor.record_stream is not the CPU no-op"
+    return None
 
 
 def install_record_stream_noop() -> None:

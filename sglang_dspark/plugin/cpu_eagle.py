@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_dspark.plugin.registry import register_around, register_replace
+from sglang_dspark.plugin.registry import applied_check, register_around, register_replace
 
 # ----------------------------------------------------------------- eagle_cpu_chain_only
 
@@ -293,6 +293,24 @@ def _sampling_on_cpu(original, *, is_all_greedy, is_cpu, is_hip, is_xpu, use_rej
         is_all_greedy=is_all_greedy, is_cpu=False, is_hip=is_hip, is_xpu=is_xpu,
         use_rejection_sampling=use_rejection_sampling,
     )  # fmt: skip
+
+
+@applied_check("cpu_eagle_sampling_verify")
+def _sampling_verify_applied() -> str | None:
+    from sglang.srt.speculative import eagle_utils
+    from sglang.srt.utils import is_cpu
+
+    if not is_cpu():
+        return None  # the hook changes nothing off CPU
+    if eagle_utils.tree_speculative_sampling_target_only is not (
+        tree_speculative_sampling_target_only_torch
+    ):
+        return "eagle_utils.tree_speculative_sampling_target_only is not the torch sampler"
+    if eagle_utils.chain_speculative_sampling_triton is not chain_speculative_sampling_cpu:
+        return "eagle_utils.chain_speculative_sampling_triton is not the torch chain sampler"
+    if eagle_utils.top_k_renorm_prob is None or eagle_utils.top_p_renorm_prob is None:
+        return "eagle_utils.top_k_renorm_prob / top_p_renorm_prob are still None"
+    return None
 
 
 def install_sampling_verify() -> None:

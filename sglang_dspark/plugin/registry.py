@@ -105,6 +105,10 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
         "(self, server_args, gpu_id, nccl_port, target_worker, "
         "draft_worker_cls=<class 'sglang.srt.managers.tp_worker.TpModelWorker'>)"
     ),
+    # cpu_plain_rounds
+    "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2._forward_decode": (
+        "(self, batch, on_publish, grammar_barrier=None, coordination_plan=None)"
+    ),
     # dspark_sync_scheduler
     "sglang.srt.speculative.dspark_components.dspark_planner.HostConfidenceBudgetPlanner"
     ".compute_budget": (
@@ -291,46 +295,20 @@ DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _draft_backend_applied() -> str | None:
-    from sglang.srt.arg_groups import choices
-
-    if "torch_native" not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
-        return "torch_native is still missing from DRAFT_ATTENTION_BACKEND_CHOICES"
-    return None
-
-
-def _record_stream_applied() -> str | None:
-    import torch
-
-    from sglang_dspark.plugin import cpu_dspark
-
-    if torch.Tensor.record_stream is not cpu_dspark._record_stream:
-        return "torch.Tensor.record_stream is not the CPU no-op"
-    return None
-
-
-def _sampling_verify_applied() -> str | None:
-    from sglang.srt.speculative import eagle_utils
-    from sglang.srt.utils import is_cpu
-
-    from sglang_dspark.plugin import cpu_eagle
-
-    if not is_cpu():
-        return None  # the hook changes nothing off CPU
-    ours = cpu_eagle.tree_speculative_sampling_target_only_torch
-    if eagle_utils.tree_speculative_sampling_target_only is not ours:
-        return "eagle_utils.tree_speculative_sampling_target_only is not the torch sampler"
-    if eagle_utils.top_k_renorm_prob is None or eagle_utils.top_p_renorm_prob is None:
-        return "eagle_utils.top_k_renorm_prob / top_p_renorm_prob are still None"
-    return None
-
-
 # Hooks that change SGLang without the HookRegistry: how to see that the change is in place.
-APPLIED_CHECKS: dict[str, Callable[[], str | None]] = {
-    "torch_native_draft_backend": _draft_backend_applied,
-    "cpu_record_stream_noop": _record_stream_applied,
-    "cpu_eagle_sampling_verify": _sampling_verify_applied,
-}
+# Filled by the hook modules themselves (`applied_check`): this module imports no hook.
+APPLIED_CHECKS: dict[str, Callable[[], str | None]] = {}
+
+
+def applied_check(hook: str) -> Callable:
+    """Decorator: `fn() -> None | problem` tells whether `hook`'s change is in place."""
+
+    def register(fn: Callable[[], str | None]) -> Callable[[], str | None]:
+        APPLIED_CHECKS[hook] = fn
+        return fn
+
+    return register
+
 
 # The targets registered by the hook whose install() is running (None outside install_checked).
 _recording: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(

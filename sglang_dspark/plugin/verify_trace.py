@@ -42,8 +42,9 @@ def _cpu_list(t, bs: int):
     return t.detach()[:bs].to("cpu").tolist()
 
 
-def step_record(*, forward_ct, bs, layout, confidence, correct_len, verify_token_budget,
-                verify_tier_num_tokens) -> dict:
+def step_record(
+    *, forward_ct, bs, layout, confidence, correct_len, verify_token_budget, verify_tier_num_tokens
+) -> dict:
     import torch
 
     lens = getattr(layout, "verify_lens", None) if layout is not None else None

@@ -1,0 +1,101 @@
+"""`cpu_plain_rounds`' policy without a server: a batch drafts while drafting pays, decodes
+plainly while it does not, and probes the other mode now and then (fake clock, fake rounds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_dspark.plugin import plain_rounds
+from sglang_dspark.plugin.plain_rounds import MIN_SAMPLES, PROBE_EVERY, PlainRoundPolicy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(policy: PlainRoundPolicy, clock: Clock, bs: int, rounds: int, cost) -> list[bool]:
+    """`rounds` decode rounds of `bs` requests; cost(plain) -> (seconds, tokens committed)."""
+    chosen = []
+    for _ in range(rounds):
+        policy.round_started(bs)
+        plain = policy.choose_plain(bs)
+        seconds, tokens = cost(plain)
+        clock.now += seconds
+        policy.round_finished(plain, tokens)
+        chosen.append(plain)
+    return chosen
+
+
+def costs(draft_s: float, plain_s: float, accept: float, bs: int):
+    return lambda plain: (plain_s, bs) if plain else (draft_s, round(accept * bs))
+
+
+def test_drafting_that_pays_keeps_drafting_and_probes_plain_rarely():
+    clock = Clock()
+    policy = PlainRoundPolicy("auto", clock)
+    # 4 requests: a drafted round 0.13 s for 1.8 tokens each, a plain one 0.09 s for 1 each
+    chosen = run(policy, clock, 4, 400, costs(0.13, 0.09, 1.8, 4))
+    assert chosen[:MIN_SAMPLES] == [False] * MIN_SAMPLES  # speculative first
+    late = chosen[100:]
+    assert 0 < sum(late) <= len(late) / PROBE_EVERY + 1  # plain only as probes
+    r = policy.rates[4]
+    assert r.rate[False] == pytest.approx(round(1.8 * 4) / 0.13, rel=0.01)
+    assert r.rate[True] == pytest.approx(4 / 0.09, rel=0.01)
+
+
+def test_drafting_that_does_not_pay_decodes_plainly_and_probes_drafting_rarely():
+    clock = Clock()
+    policy = PlainRoundPolicy("auto", clock)
+    chosen = run(policy, clock, 1, 400, costs(0.05, 0.04, 1.15, 1))
+    late = chosen[100:]
+    drafted = late.count(False)
+    assert 0 < drafted <= len(late) / PROBE_EVERY + 1
+    rate = policy.rates[1].rate
+    assert policy.summary() == f"bs 1: draft {rate[False]:.1f} / plain {rate[True]:.1f} tok/s"
+
+
+def test_a_change_of_acceptance_is_followed():
+    clock = Clock()
+    policy = PlainRoundPolicy("auto", clock)
+    run(policy, clock, 2, 200, costs(0.06, 0.04, 2.0, 2))  # pays: 66 vs 50 tok/s
+    assert run(policy, clock, 2, 50, costs(0.06, 0.04, 2.0, 2))[-10:].count(True) <= 1
+    chosen = run(policy, clock, 2, 300, costs(0.06, 0.04, 1.1, 2))  # now 36 vs 50
+    assert chosen[-100:].count(True) >= 100 - 100 / PROBE_EVERY - 1
+
+
+def test_batch_sizes_are_measured_apart_and_gaps_are_not_samples():
+    clock = Clock()
+    policy = PlainRoundPolicy("auto", clock)
+    run(policy, clock, 1, 60, costs(0.05, 0.04, 1.1, 1))  # plain wins at 1
+    run(policy, clock, 8, 60, costs(0.20, 0.15, 2.0, 8))  # drafting wins at 8
+    assert policy.rates[8].rate[False] > policy.rates[8].rate[True]
+    assert policy.rates[1].rate[True] > policy.rates[1].rate[False]
+    # a long gap (a prefill, an idle server) between two rounds is no round's cost
+    before = dict(policy.rates[8].rate)
+    policy.round_started(8)
+    policy.round_finished(False, 16)
+    clock.now += 30.0
+    policy.round_started(8)
+    assert policy.rates[8].rate == before
+    # rounds of a different batch size never pair up
+    policy.round_finished(False, 16)
+    clock.now += 0.2
+    policy.round_started(3)
+    assert 3 not in policy.rates or not policy.rates[3].count[False]
+
+
+@pytest.mark.parametrize("value, plain", [("off", False), ("always", True)])
+def test_fixed_modes(monkeypatch, value, plain):
+    monkeypatch.setenv(plain_rounds.MODE_ENV, value)
+    policy = PlainRoundPolicy(plain_rounds.mode(), Clock())
+    assert [policy.choose_plain(bs) for bs in (1, 4, 16, 64)] == [plain] * 4
+
+
+def test_a_bad_mode_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(plain_rounds.MODE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SGLANG_DSPARK_PLAIN_ROUNDS='sometimes'.*auto, off"):
+        plain_rounds.mode()
