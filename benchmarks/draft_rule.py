@@ -42,9 +42,10 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default=str(ROOT / "recipes/data/smollm2-heldout-t1"))
     args = parser.parse_args(argv)
 
-    from sglang_dspark.drafter import loss, train
-    from sglang_dspark.drafter.train import TrainConfig, build_trainer
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.drafter.training import held_out, loss
+    from sglang_dspark.drafter.training.config import TrainConfig
+    from sglang_dspark.drafter.training.registry import build_trainer
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     target = str(ensure_smollm2(dtype="bfloat16"))
     arms = {"DSpark": ("smollm2-dspark", "dspark"), "MTP-1": ("smollm2-mtp1", "mtp")}
@@ -58,12 +59,12 @@ def main(argv=None) -> int:
             )  # fmt: skip
             trainer = build_trainer(cfg)
             sampled = trainer.evaluate()
-            saved = loss.tv_ce, train.tv_ce
-            loss.tv_ce = train.tv_ce = argmax_rule
+            saved = loss.tv_ce, held_out.tv_ce
+            loss.tv_ce = held_out.tv_ce = argmax_rule
             try:
                 greedy = trainer.evaluate()
             finally:
-                loss.tv_ce, train.tv_ce = saved
+                loss.tv_ce, held_out.tv_ce = saved
         rows.append((name, "sampled draft, rejection sampling (1 - TV)", sampled))
         rows.append((name, "argmax draft, target-only verify (p(argmax q))", greedy))
     print(f"held-out {args.data}, T=1, teacher-forced")

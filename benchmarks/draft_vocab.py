@@ -34,10 +34,11 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from sglang_dspark.drafter import draft_vocab
-    from sglang_dspark.drafter.data import load_sequences
-    from sglang_dspark.drafter.train import TrainConfig, build_trainer
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.drafter.formats import draft_vocab
+    from sglang_dspark.drafter.training.config import TrainConfig
+    from sglang_dspark.drafter.training.data import load_sequences
+    from sglang_dspark.drafter.training.registry import build_trainer
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     target = str(ensure_smollm2(dtype="bfloat16"))
     with tempfile.TemporaryDirectory() as out:

@@ -63,8 +63,8 @@ def resolve_vocab(env: dict, target, out_dir: Path) -> dict:
         return env
     from transformers import AutoConfig, AutoTokenizer
 
-    from sglang_dspark.drafter import draft_vocab
-    from sglang_dspark.drafter.data import load_sequences
+    from sglang_dspark.drafter.formats import draft_vocab
+    from sglang_dspark.drafter.training.data import load_sequences
 
     path = out_dir / f"draft-vocab-{value[1:]}.safetensors"
     if not path.is_file():
@@ -143,7 +143,7 @@ def term_shares(raw: Path) -> tuple[dict[str, int], collections.Counter, int]:
 
 def closed_loop(base_url, prompts, users, seconds, max_tokens, temperature) -> dict:
     """`users` clients, each sending its next request when the last returns, for `seconds`."""
-    from sglang_dspark.client import generate_ids
+    from sglang_dspark.serving.client import generate_ids
 
     stop = time.perf_counter() + seconds
     stats = {"tokens": 0, "rounds": 0, "requests": 0}
@@ -218,10 +218,10 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from sglang_dspark import embedded
-    from sglang_dspark.client import chat_prompt_ids, generate_many
     from sglang_dspark.evaluation.benchmarks import default_eval_dir, load_prompts
-    from sglang_dspark.server import SGLangServer, free_port
+    from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.client import chat_prompt_ids, generate_many
+    from sglang_dspark.serving.server import SGLangServer, free_port
 
     paths = embedded.ensure(dtype="bfloat16")
     tok = AutoTokenizer.from_pretrained(paths.target)

@@ -115,8 +115,8 @@ def parse_variant(spec: str, arms: dict[str, Arm]) -> tuple[str, Arm]:
 
 
 def start_servers(arms: dict[str, Arm], dtype: str, log_dir: Path) -> dict:
-    from sglang_dspark import embedded
-    from sglang_dspark.server import SGLangServer, free_port
+    from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.server import SGLangServer, free_port
 
     paths = embedded.ensure(dtype=dtype)
     servers = {}
@@ -184,7 +184,7 @@ def merge(reports: list[dict]) -> dict:
 
 
 def ci_text(values: list, spec: str) -> str:
-    from sglang_dspark.pareto import mean_ci
+    from sglang_dspark.measurement.pareto import mean_ci
 
     vals = [v for v in values if isinstance(v, (int, float))]
     if not vals:
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out / "stages.csv", STAGE_FIELDS, stages)
     write_csv(args.out / "samples.csv", SAMPLE_FIELDS, samples)
 
-    from sglang_dspark.pareto import render, run_pareto
+    from sglang_dspark.measurement.pareto import render, run_pareto
 
     arm = args.arm if args.arm in names else None
     base = args.baseline if args.baseline in names else None

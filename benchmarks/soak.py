@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_dspark.server import group_pids
+from sglang_dspark.serving.server import group_pids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     extra_env = parse_env(args.env, parser)
 
-    from sglang_dspark import embedded
-    from sglang_dspark.server import SGLangServer, free_port
+    from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.server import SGLangServer, free_port
 
     args.out.mkdir(parents=True, exist_ok=True)
     paths = embedded.ensure()

@@ -36,7 +36,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"dspark": "configs/smollm2-dspark.json", "mtp": "configs/smollm2-mtp1.json"}
-DRAFTS = {"dspark": "sglang_dspark/assets/smollm2-dspark", "mtp": "sglang_dspark/assets/smollm2-mtp1"}
+DRAFTS = {
+    "dspark": "sglang_dspark/assets/smollm2-dspark",
+    "mtp": "sglang_dspark/assets/smollm2-mtp1",
+}
 PHASES = ("target", "drafter", "loss", "optimizer")
 
 
@@ -47,13 +50,15 @@ def device_name(device: torch.device) -> str:
 
 
 def default_target() -> Path:
-    from sglang_dspark.cache import cache_dir
+    from sglang_dspark.serving.cache import cache_dir
 
     return cache_dir() / "SmolLM2-135M-Instruct-bfloat16"
 
 
 def measure(kind: str, cache: str, args: argparse.Namespace, work: Path) -> dict:
-    from sglang_dspark.drafter.train import PhaseTimer, TrainConfig, build_trainer
+    from sglang_dspark.drafter.training.config import TrainConfig
+    from sglang_dspark.drafter.training.registry import build_trainer
+    from sglang_dspark.drafter.training.runtime import PhaseTimer
 
     cfg = TrainConfig.from_json(
         REPO / CONFIGS[kind], data=str(args.data), target=str(args.target),
@@ -127,8 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss-chunk-rows", type=int, default=8192)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--data", type=Path, default=REPO / "recipes/data/smollm2-regen-t07")
-    ap.add_argument("--target", type=Path, default=None,
-                    help="target model directory (default: the embedded SmolLM2 in the cache)")
+    ap.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="target model directory (default: the embedded SmolLM2 in the cache)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
     args.target = args.target or default_target()

@@ -25,9 +25,9 @@ SCALES = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2)
 def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
-    from sglang_dspark import embedded
     from sglang_dspark.evaluation import decoding, runner
     from sglang_dspark.evaluation.benchmarks import default_eval_dir, encode_chat, load_prompts
+    from sglang_dspark.serving import embedded
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=None, help="draft dir (default: the shipped drafter)")

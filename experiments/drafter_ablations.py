@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not arms:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
 
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     target = ensure_smollm2()
     cli = [sys.executable, "-m", "sglang_dspark.cli"]

@@ -12,7 +12,7 @@ aggregate output tok/s counts the tokens generated inside the window (requests c
 their token timeline), latency distributions use the requests started inside it. Token counts
 always come from the server's usage (`stream_options.include_usage`, per chunk with
 `continuous_usage_stats`), never from counting chunks. The metric definitions are in
-`sglang_dspark/loadmetrics.py`, which holds all the maths (pure, tested); this file is the
+`sglang_dspark/measurement/loadmetrics.py`, which holds all the maths (pure, tested); this file is the
 Locust glue.
 
 At the start of the run and of each stage, and at each stage's end, GET /server_info records
@@ -22,7 +22,7 @@ avg_spec_accept_length); each request also asks for SGLang's per-request specula
 
 Outputs in SLA_OUTPUT_DIR: sla_summary.json (config, server info, per-stage rows, per-request
 samples) and sla_summary.csv (one row per stage), and a table on stdout. Plot arms against each
-other with `sglang-dspark pareto RUN_DIR... --out DIR` (or `python -m sglang_dspark.pareto`).
+other with `sglang-dspark pareto RUN_DIR... --out DIR` (or `python -m sglang_dspark.measurement.pareto`).
 
 The exit code is 1 when a request failed, a response had no usage (tokens unknown), an SLO was
 breached, a drain timed out, or the server could not be reached; the reasons are printed.
@@ -87,14 +87,14 @@ if (HERE.parent / "loadmetrics.py").is_file():  # shipped side by side (the Helm
     import loadmetrics as lm
 else:
     try:
-        from sglang_dspark import loadmetrics as lm
+        from sglang_dspark.measurement import loadmetrics as lm
     except ImportError:  # a checkout without `pip install -e .`
         sys.path.insert(0, str(REPO))
         try:
-            from sglang_dspark import loadmetrics as lm
+            from sglang_dspark.measurement import loadmetrics as lm
         except ImportError:
             sys.exit(
-                f"{HERE.name} needs sglang_dspark/loadmetrics.py: install sglang-dspark "
+                f"{HERE.name} needs sglang_dspark/measurement/loadmetrics.py: install sglang-dspark "
                 f"(pip install -e .) or put loadmetrics.py next to {HERE}"
             )
 

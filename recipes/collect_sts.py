@@ -58,12 +58,12 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from sglang_dspark import embedded
     from sglang_dspark.calibration import load_data
-    from sglang_dspark.client import chat_prompt_ids, generate_ids
     from sglang_dspark.data.generate import chat_prompt_ids as chat_ids_from_messages
     from sglang_dspark.evaluation.benchmarks import default_eval_dir, load_prompts
-    from sglang_dspark.server import SGLangServer, free_port
+    from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.client import chat_prompt_ids, generate_ids
+    from sglang_dspark.serving.server import SGLangServer, free_port
 
     paths = embedded.ensure()
     tok = AutoTokenizer.from_pretrained(paths.target)

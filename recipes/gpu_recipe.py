@@ -125,7 +125,7 @@ def parse_init(items: list[str] | None) -> dict[str, Path]:
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from sglang_dspark.smollm2 import ensure_smollm2, gguf_path
+    from sglang_dspark.serving.smollm2 import ensure_smollm2, gguf_path
 
     init = parse_init(args.init)
     out = Path(args.out)
@@ -306,7 +306,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(site))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     sys.path.insert(0, str(REPO))
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     target = ensure_smollm2(work / "SmolLM2-135M-Instruct-bfloat16", gguf=gguf)
     results.phase("target", time.time() - t, gguf_sha256=manifest["gguf"]["sha256"])
@@ -329,7 +329,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         shutil.copy2(bundle / "prompt-seqs.jsonl", train_dir / "prompt-seqs.jsonl")
     else:
         train_dir = Path(args.data)
-    from sglang_dspark.drafter.data import load_sequences
+    from sglang_dspark.drafter.training.data import load_sequences
 
     n_seq = len(load_sequences(train_dir, max_length=10**9))
     results.phase("data", time.time() - t, sequences=n_seq, data=str(train_dir),

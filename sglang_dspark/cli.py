@@ -9,7 +9,7 @@ import sys
 
 
 def _cmd_patches(args: argparse.Namespace) -> int:
-    from sglang_dspark import patching
+    from sglang_dspark.serving import patching
 
     patching.check_sglang_version()
     if args.action == "apply":
@@ -29,7 +29,7 @@ def _cmd_patches(args: argparse.Namespace) -> int:
 
 
 def _cmd_setup_smollm2(args: argparse.Namespace) -> int:
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     print(ensure_smollm2(args.out, dtype=args.dtype))
     return 0
@@ -43,7 +43,7 @@ def _cmd_setup_tiny_v4(args: argparse.Namespace) -> int:
 
 
 def _cmd_embedded(args: argparse.Namespace) -> int:
-    from sglang_dspark import embedded
+    from sglang_dspark.serving import embedded
 
     paths = embedded.ensure(dtype=args.dtype)
     if args.print_command:
@@ -109,34 +109,104 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_embedded)
 
     for name, module, add, run, text in [
-        ("demo", "sglang_dspark.demo", "add_arguments", "run",
-         "start the embedded DSPARK server, send one request, stop it"),
-        ("make-draft", "sglang_dspark.drafter.checkpoint", "add_make_draft_arguments",
-         "run_make_draft", "write a randomly initialised SGLang DSpark draft for a target"),
-        ("export", "sglang_dspark.drafter.checkpoint", "add_export_arguments", "run_export",
-         "export a trained / DeepSpec drafter as an SGLang checkpoint"),
-        ("train", "sglang_dspark.drafter.train", "add_arguments", "run",
-         "train a DSpark drafter against a frozen target"),
-        ("draft-vocab", "sglang_dspark.drafter.draft_vocab", "add_arguments", "run",
-         "a reduced draft vocabulary: the N most frequent response tokens of the training data"),
-        ("bundle-v4-draft", "sglang_dspark.drafter.checkpoint_v4", "add_bundle_arguments",
-         "run_bundle", "bundle a trained DeepSeek-V4 DSpark draft into a copy of its target"),
-        ("evaluate", "sglang_dspark.evaluation", "add_arguments", "run",
-         "offline evaluator: tau, position-wise acceptance, threshold sweep"),
-        ("compare", "sglang_dspark.evaluation.compare", "add_arguments", "run",
-         "paired comparison of drafters on the same prompts and seeds: tau table, CIs"),
-        ("curves", "sglang_dspark.evaluation.curves", "add_arguments", "run",
-         "held-out learning curves of training runs (their eval.jsonl): plot and table"),
-        ("audit", "sglang_dspark.audit", "add_arguments", "run",
-         "check that a running DSPARK server is lossless (exit code 0 / 1)"),
-        ("calibrate", "sglang_dspark.calibration.cli", "add_arguments", "run",
-         "fit STS temperatures (SGLang DSparkStsCalibration JSON)"),
-        ("data", "sglang_dspark.data.cli", "add_arguments", "run",
-         "build training prompts and target-regenerated responses"),
-        ("sps", "sglang_dspark.sps", "add_arguments", "run",
-         "SPS(B) cost table: profile on the embedded server, plot"),
-        ("pareto", "sglang_dspark.pareto", "add_arguments", "run",
-         "Pareto curves (Figures 7, 8) from loadtest/sla.py summaries"),
+        (
+            "demo",
+            "sglang_dspark.serving.demo",
+            "add_arguments",
+            "run",
+            "start the embedded DSPARK server, send one request, stop it",
+        ),
+        (
+            "make-draft",
+            "sglang_dspark.drafter.formats.checkpoint",
+            "add_make_draft_arguments",
+            "run_make_draft",
+            "write a randomly initialised SGLang DSpark draft for a target",
+        ),
+        (
+            "export",
+            "sglang_dspark.drafter.formats.checkpoint",
+            "add_export_arguments",
+            "run_export",
+            "export a trained / DeepSpec drafter as an SGLang checkpoint",
+        ),
+        (
+            "train",
+            "sglang_dspark.drafter.training.cli",
+            "add_arguments",
+            "run",
+            "train a DSpark drafter against a frozen target",
+        ),
+        (
+            "draft-vocab",
+            "sglang_dspark.drafter.formats.draft_vocab",
+            "add_arguments",
+            "run",
+            "a reduced draft vocabulary: the N most frequent response tokens of the training data",
+        ),
+        (
+            "bundle-v4-draft",
+            "sglang_dspark.drafter.formats.checkpoint_v4",
+            "add_bundle_arguments",
+            "run_bundle",
+            "bundle a trained DeepSeek-V4 DSpark draft into a copy of its target",
+        ),
+        (
+            "evaluate",
+            "sglang_dspark.evaluation",
+            "add_arguments",
+            "run",
+            "offline evaluator: tau, position-wise acceptance, threshold sweep",
+        ),
+        (
+            "compare",
+            "sglang_dspark.evaluation.compare",
+            "add_arguments",
+            "run",
+            "paired comparison of drafters on the same prompts and seeds: tau table, CIs",
+        ),
+        (
+            "curves",
+            "sglang_dspark.evaluation.curves",
+            "add_arguments",
+            "run",
+            "held-out learning curves of training runs (their eval.jsonl): plot and table",
+        ),
+        (
+            "audit",
+            "sglang_dspark.verification.audit",
+            "add_arguments",
+            "run",
+            "check that a running DSPARK server is lossless (exit code 0 / 1)",
+        ),
+        (
+            "calibrate",
+            "sglang_dspark.calibration.cli",
+            "add_arguments",
+            "run",
+            "fit STS temperatures (SGLang DSparkStsCalibration JSON)",
+        ),
+        (
+            "data",
+            "sglang_dspark.data.cli",
+            "add_arguments",
+            "run",
+            "build training prompts and target-regenerated responses",
+        ),
+        (
+            "sps",
+            "sglang_dspark.scheduling.sps",
+            "add_arguments",
+            "run",
+            "SPS(B) cost table: profile on the embedded server, plot",
+        ),
+        (
+            "pareto",
+            "sglang_dspark.measurement.pareto",
+            "add_arguments",
+            "run",
+            "Pareto curves (Figures 7, 8) from loadtest/sla.py summaries",
+        ),
     ]:
         p = sub.add_parser(name, help=text)
         if name != chosen:

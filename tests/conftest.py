@@ -29,7 +29,7 @@ def eval_prompts(name: str, limit: int | None = None) -> list[str]:
 
 @pytest.fixture(scope="session")
 def embedded_paths():
-    from sglang_dspark import embedded
+    from sglang_dspark.serving import embedded
 
     return embedded.ensure()
 
@@ -108,9 +108,9 @@ class ServerPool:
     ):  # fmt: skip
         from dataclasses import replace
 
-        from sglang_dspark import embedded
         from sglang_dspark.plugin import plain_rounds
-        from sglang_dspark.server import SGLangServer, free_port
+        from sglang_dspark.serving import embedded
+        from sglang_dspark.serving.server import SGLangServer, free_port
 
         env = dict(env or {})
         key = (dtype, speculative, arm, tuple(extra), tuple(sorted(env.items())), str(draft))

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from sglang_dspark.audit import audit
+from sglang_dspark.verification.audit import audit
 
 PROMPT = [1, 2, 3]
 GREEDY = [10, 11, 12, 13, 14, 15]
@@ -238,7 +238,7 @@ def test_reference_samples_are_kept_reused_and_topped_up(fakes, tmp_path):
 
 
 def test_reference_samples_drawn_otherwise_are_refused_before_any_request(fakes, tmp_path):
-    from sglang_dspark.audit import ReferenceSamplesError
+    from sglang_dspark.verification.audit import ReferenceSamplesError
 
     ref = fakes(_reference(PROBS, 0), REF_INFO)
     server = fakes(_server(GREEDY, PROBS, 1), SPEC_INFO)

@@ -80,10 +80,12 @@ def test_fit_recovers_known_temperature_and_calibrates_heldout():
     for p in held["positions"]:
         # Temperature scaling is order preserving: the head's AUC per position is unchanged.
         assert p["conditional"]["after"]["auc"] == pytest.approx(
-            p["conditional"]["before"]["auc"], abs=1e-12)
+            p["conditional"]["before"]["auc"], abs=1e-12
+        )
         assert p["cumulative"]["after"]["brier"] < p["cumulative"]["before"]["brier"]
-    assert result.calibration.ece_after == [p["cumulative"]["after"]["ece"]
-                                            for p in held["positions"]]
+    assert result.calibration.ece_after == [
+        p["cumulative"]["after"]["ece"] for p in held["positions"]
+    ]
 
 
 def test_fit_on_truncated_verification_uses_blocks_whose_window_covered_k():
@@ -103,8 +105,10 @@ def test_fit_on_truncated_verification_uses_blocks_whose_window_covered_k():
     true_a = torch.cumprod(apply_temperatures(logits, [OVERCONFIDENCE] * 4), 1)
     k = 3
     assert expected_calibration_error(true_a[in_window[:, k], k], label[in_window[:, k], k]) < 0.02
-    assert expected_calibration_error(true_a[outcome_rows[:, k], k],
-                                      label[outcome_rows[:, k], k]) > 0.05
+    assert (
+        expected_calibration_error(true_a[outcome_rows[:, k], k], label[outcome_rows[:, k], k])
+        > 0.05
+    )
     with pytest.raises(ValueError, match="verified only partly"):
         StsData(logits, data.accepted, data.valid)  # refused without the windows
     # Counting unverified drafts as rejections (SGLang's collector in compact mode) biases T.
@@ -120,13 +124,15 @@ def test_fit_matches_sglang_fitter_on_collector_data():
 
     logits, _, n_acc = synthetic_blocks(20_000, 4, seed=3)
     prefix = (torch.arange(4)[None, :] < n_acc[:, None]).float()
-    theirs = fit_sts_temperatures(logits=logits, prefix_mask=prefix,
-                                  grid=default_temperature_grid())
+    theirs = fit_sts_temperatures(
+        logits=logits, prefix_mask=prefix, grid=default_temperature_grid()
+    )
     ours = fit(blocks_to_data(logits, n_acc), refine=False)
     assert ours == theirs["temperatures"]
     ece = evaluate(ours, blocks_to_data(logits, n_acc))
     assert [p["cumulative"]["after"]["ece"] for p in ece["positions"]] == pytest.approx(
-        theirs["ece_after"], abs=1e-9)
+        theirs["ece_after"], abs=1e-9
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +157,8 @@ def test_ece_matches_sglang():
     p = torch.rand(5000, generator=g, dtype=torch.float64) * 0.98 + 0.01
     y = torch.rand(5000, generator=g, dtype=torch.float64) < p**1.5
     assert expected_calibration_error(p, y) == pytest.approx(
-        sglang_ece(probs=p, targets=y, num_bins=15), abs=1e-12)
+        sglang_ece(probs=p, targets=y, num_bins=15), abs=1e-12
+    )
 
 
 def test_auc_hand_computed():
@@ -227,8 +234,7 @@ def test_sts_data_roundtrip(tmp_path, suffix):
     back = load_sts_data(path)
     assert torch.equal(back.logits, data.logits) and back.verified is None
     assert torch.equal(back.accepted, data.accepted) and torch.equal(back.valid, data.valid)
-    keys = sorted(np.load(path).files) if suffix == ".npz" else sorted(json.loads(
-        path.read_text()))
+    keys = sorted(np.load(path).files) if suffix == ".npz" else sorted(json.loads(path.read_text()))
     assert keys == ["accepted", "logits", "valid"]
     # truncated verification carries the window
     data = blocks_to_data(logits, n_acc, torch.full((50,), 2))
@@ -277,8 +283,14 @@ def test_reads_sglang_collector_shards(tmp_path):
 
 def test_collector_shard_is_loaded_without_unpickling(tmp_path):
     path = tmp_path / "evil.0.pt"  # any non-tensor object would run code when unpickled
-    torch.save({"logits": torch.zeros(1, 2), "prefix_mask": torch.zeros(1, 2),
-                "x": argparse.Namespace(a=1)}, path)
+    torch.save(
+        {
+            "logits": torch.zeros(1, 2),
+            "prefix_mask": torch.zeros(1, 2),
+            "x": argparse.Namespace(a=1),
+        },
+        path,
+    )
     with pytest.raises(Exception, match="(?i)weights_only|unpickl|global"):
         load_sts_data(path)
 
@@ -289,10 +301,18 @@ def test_cli_writes_sglang_calibration_metrics_and_plot(tmp_path, capsys):
     save_sts_data(tmp_path / "eval.npz", data.logits, data.accepted, data.valid)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args([
-        "--data", str(tmp_path / "eval.npz"), "--heldout-fraction", "0.3",
-        "--out", str(tmp_path / "sts.json"), "--plot", str(tmp_path / "reliability.png"),
-    ])
+    args = parser.parse_args(
+        [
+            "--data",
+            str(tmp_path / "eval.npz"),
+            "--heldout-fraction",
+            "0.3",
+            "--out",
+            str(tmp_path / "sts.json"),
+            "--plot",
+            str(tmp_path / "reliability.png"),
+        ]
+    )
     assert run(args) == 0
     calib = load_sts_calibration_from_path(str(tmp_path / "sts.json"))  # SGLang's loader
     assert isinstance(calib, DSparkStsCalibration)
@@ -301,7 +321,12 @@ def test_cli_writes_sglang_calibration_metrics_and_plot(tmp_path, capsys):
     assert len(calib.ece_before) == len(calib.ece_after) == 3
     assert max(calib.ece_after) < 0.03 < min(calib.ece_before)
     assert set(json.loads((tmp_path / "sts.json").read_text())) == {
-        "temperatures", "dataset", "num_samples", "ece_before", "ece_after"}
+        "temperatures",
+        "dataset",
+        "num_samples",
+        "ece_before",
+        "ece_after",
+    }
     metrics = json.loads((tmp_path / "sts.metrics.json").read_text())
     assert metrics["heldout"]["temperatures"] == calib.temperatures
     assert metrics["heldout"]["num_bins"] == 15
@@ -315,13 +340,31 @@ def test_cli_accepts_collector_glob_without_heldout(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     out = tmp_path / "sts.json"
-    assert run(parser.parse_args(["--data", str(tmp_path / "c.*.pt"), "--out", str(out),
-                                  "--heldout-fraction", "0", "--gamma", "2"])) == 0
+    assert (
+        run(
+            parser.parse_args(
+                [
+                    "--data",
+                    str(tmp_path / "c.*.pt"),
+                    "--out",
+                    str(out),
+                    "--heldout-fraction",
+                    "0",
+                    "--gamma",
+                    "2",
+                ]
+            )
+        )
+        == 0
+    )
     calib = load_sts_calibration_from_path(str(out))
     assert calib.num_samples == 5_000 and len(calib.temperatures) == 2
     with pytest.raises(ValueError, match="gamma=2"):
-        run(parser.parse_args(["--data", str(tmp_path / "c.*.pt"), "--out", str(out),
-                               "--gamma", "3"]))
+        run(
+            parser.parse_args(
+                ["--data", str(tmp_path / "c.*.pt"), "--out", str(out), "--gamma", "3"]
+            )
+        )
 
 
 def test_plugin_recorder_keeps_every_step_per_rank_and_the_verify_window(tmp_path):
@@ -374,8 +417,10 @@ def test_cli_heldout_data_from_other_prompts(tmp_path, capsys):
     assert calib.num_samples == 20_000  # every fitting row
     metrics = json.loads((tmp_path / "sts.metrics.json").read_text())
     assert metrics["heldout"]["num_samples"] == 8_000
-    assert metrics["heldout"]["mean_cumulative_ece_after"] < metrics["heldout"][
-        "mean_cumulative_ece_before"]
+    assert (
+        metrics["heldout"]["mean_cumulative_ece_after"]
+        < metrics["heldout"]["mean_cumulative_ece_before"]
+    )
     assert "STS on held-out rows (8000)" in capsys.readouterr().out
 
 

@@ -13,7 +13,7 @@ import torch
 from test_evaluate import GAMMA, add_tokenizer, build_target
 
 from sglang_dspark import evaluation as ev
-from sglang_dspark.drafter.checkpoint import init_random_draft, init_random_mtp_draft
+from sglang_dspark.drafter.formats.checkpoint import init_random_draft, init_random_mtp_draft
 from sglang_dspark.evaluation import compare
 
 torch.set_num_threads(1)

@@ -175,7 +175,7 @@ def tiny_target(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     torch.manual_seed(0)
@@ -295,7 +295,7 @@ class ScriptedBackend:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     return AutoTokenizer.from_pretrained(ensure_smollm2())
 
@@ -368,12 +368,12 @@ def test_rerun_with_other_settings_is_refused(tokenizer, tmp_path):
 
 
 def test_shards_are_what_the_trainer_reads(tokenizer, tmp_path):
-    from sglang_dspark.drafter import train  # part of the package: never skipped
+    from sglang_dspark.drafter.training import data  # part of the package: never skipped
 
     generate_dataset(
         _small_prompts(2), ScriptedBackend(), tokenizer, tmp_path, Sampling(8), progress=False
     )
-    seqs = train.load_sequences(tmp_path, max_length=4096)
+    seqs = data.load_sequences(tmp_path, max_length=4096)
     assert len(seqs) == 6
     assert all(int(s.loss_mask.sum()) == 4 for s in seqs)
 

@@ -17,7 +17,7 @@ import requests
 from conftest import eval_prompts
 
 from sglang_dspark.plugin import cpu_draft
-from sglang_dspark.scheduler import save_sps_table, sps_table_from_points
+from sglang_dspark.scheduling.scheduler import save_sps_table, sps_table_from_points
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

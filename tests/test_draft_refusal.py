@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from sglang_dspark import embedded
-from sglang_dspark.server import free_port
+from sglang_dspark.serving import embedded
+from sglang_dspark.serving.server import free_port
 
 pytestmark = pytest.mark.sglang
 

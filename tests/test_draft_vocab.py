@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_dspark.drafter.config import DraftConfigError
-from sglang_dspark.drafter.data import TokenSequence
-from sglang_dspark.drafter.draft_vocab import (
+from sglang_dspark.drafter.formats.draft_vocab import (
     coverage,
     load_draft_vocab,
     save_draft_vocab,
     token_counts,
     top_tokens,
 )
+from sglang_dspark.drafter.training.data import TokenSequence
 
 
 def _seq(ids, mask):

@@ -9,7 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sglang_dspark.drafter.checkpoint import (
+from sglang_dspark.drafter.config import (
+    DSparkDraftConfig,
+    default_target_layer_ids,
+    validate_draft_for_target,
+)
+from sglang_dspark.drafter.formats.checkpoint import (
     DraftCheckpointError,
     export_main,
     import_deepspec,
@@ -20,13 +25,8 @@ from sglang_dspark.drafter.checkpoint import (
     sglang_load_check,
     validate_checkpoint,
 )
-from sglang_dspark.drafter.config import (
-    DSparkDraftConfig,
-    default_target_layer_ids,
-    validate_draft_for_target,
-)
 from sglang_dspark.drafter.model import DSparkDrafter, init_weights
-from sglang_dspark.drafter.target import load_target_config, make_tiny_target
+from sglang_dspark.drafter.training.target import load_target_config, make_tiny_target
 
 torch.set_num_threads(1)
 
@@ -114,6 +114,7 @@ def test_sglang_loader_accepts_export(tmp_path, target_dir, head_type):
     """SGLang's own Qwen3DSparkModel.load_weights (name mapping, qkv / gate_up fusion, the
     confidence-head check) loads the export, and every SGLang parameter gets our values."""
     import sglang.srt.models.dspark  # noqa: F401  (a hard dependency: never skipped)
+
     d = _drafter(target_dir, head_type)
     out = save_draft(d, tmp_path / "draft", dtype=torch.float32)
     sgl = sglang_load_check(out)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from sglang_dspark.drafter.loss import LossWeights, combine, loss_sums, position_weights
+from sglang_dspark.drafter.training.loss import LossWeights, combine, loss_sums, position_weights
 
 LN = math.log
 
@@ -96,7 +96,7 @@ def _reference_tv_ce(draft, target, labels):
 def test_fused_tv_ce_matches_autograd_over_several_chunks(monkeypatch):
     """The chunked TV/CE with its closed-form backward equals plain autograd, values and
     gradients, when rows span several chunks and the two terms get different weights."""
-    from sglang_dspark.drafter import loss as loss_mod
+    from sglang_dspark.drafter.training import loss as loss_mod
 
     monkeypatch.setattr(loss_mod, "_CHUNK_ROWS", 3)
     gen = torch.Generator().manual_seed(0)
@@ -122,7 +122,7 @@ def test_fused_tv_ce_matches_autograd_over_several_chunks(monkeypatch):
 
 def test_fused_tv_ce_single_term_gradient():
     """Only TV used (CE unused): the CE part contributes nothing to the gradient."""
-    from sglang_dspark.drafter.loss import tv_ce
+    from sglang_dspark.drafter.training.loss import tv_ce
 
     gen = torch.Generator().manual_seed(1)
     draft = torch.randn(5, 7, generator=gen)
@@ -138,7 +138,7 @@ def test_fused_tv_ce_single_term_gradient():
 def test_logit_gram_mse_equals_the_vocabulary_sum():
     """The Gram-matrix MSE is exactly the mean over the vocabulary of the squared difference
     of centred logits, Markov bias included (tiny V so the direct sum is cheap)."""
-    from sglang_dspark.drafter.loss import LogitGram
+    from sglang_dspark.drafter.training.loss import LogitGram
 
     gen = torch.Generator().manual_seed(3)
     V, H, r = 50, 8, 4
@@ -158,12 +158,14 @@ def test_logit_gram_mse_equals_the_vocabulary_sum():
 
 
 def test_logit_gram_mse_gradient_reaches_w2():
-    from sglang_dspark.drafter.loss import LogitGram
+    from sglang_dspark.drafter.training.loss import LogitGram
 
     gen = torch.Generator().manual_seed(4)
     lm = torch.randn(30, 6, generator=gen)
     w2 = torch.randn(30, 3, generator=gen, requires_grad=True)
-    LogitGram(lm).mse(torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen), w2).sum().backward()
+    LogitGram(lm).mse(
+        torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen), w2
+    ).sum().backward()
     assert w2.grad is not None and w2.grad.abs().sum() > 0
 
 
@@ -181,8 +183,8 @@ def test_top_k_tv_is_the_bucketed_bound_with_its_exact_gradient(monkeypatch):
     """The top-k TV/CE equals an autograd reference of the bucketed TV (values and gradients,
     over several chunks); it is a lower bound of the full TV, low by at most 2 min(Q_out,
     P_out); CE is unchanged; with k = V it is the full TV exactly."""
-    from sglang_dspark.drafter import loss as loss_mod
-    from sglang_dspark.drafter.loss import TargetTopK
+    from sglang_dspark.drafter.training import loss as loss_mod
+    from sglang_dspark.drafter.training.loss import TargetTopK
 
     monkeypatch.setattr(loss_mod, "_CHUNK_ROWS", 3)
     gen = torch.Generator().manual_seed(2)

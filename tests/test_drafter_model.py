@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from sglang_dspark.drafter.checkpoint import save_draft, sglang_load_check
 from sglang_dspark.drafter.config import DSparkDraftConfig
+from sglang_dspark.drafter.formats.checkpoint import save_draft, sglang_load_check
 from sglang_dspark.drafter.markov_head import sample_block
 from sglang_dspark.drafter.model import (
     BlockLayout,
@@ -17,7 +17,11 @@ from sglang_dspark.drafter.model import (
     init_weights,
     single_sequence_layout,
 )
-from sglang_dspark.drafter.target import TargetAdapter, make_tiny_target, sglang_capture_points
+from sglang_dspark.drafter.training.target import (
+    TargetAdapter,
+    make_tiny_target,
+    sglang_capture_points,
+)
 
 torch.set_num_threads(1)
 

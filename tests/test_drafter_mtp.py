@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from sglang_dspark.drafter.checkpoint import (
+from sglang_dspark.drafter.formats.checkpoint import (
     DraftCheckpointError,
     export_main,
     init_random_mtp_draft,
@@ -32,12 +32,21 @@ from sglang_dspark.drafter.checkpoint import (
     sglang_mtp_load_check,
     validate_checkpoint,
 )
-from sglang_dspark.drafter.loss import LossWeights, combine, loss_sums
 from sglang_dspark.drafter.model import apply_rope, init_weights
 from sglang_dspark.drafter.mtp import MtpDraftConfig, MtpDrafter
-from sglang_dspark.drafter.target import TargetAdapter, load_target_config, make_tiny_target
-from sglang_dspark.drafter.train import TrainConfig, build_trainer
-from sglang_dspark.drafter.train_mtp import MtpTrainer, mtp_candidates, sample_mtp_positions
+from sglang_dspark.drafter.training.config import TrainConfig
+from sglang_dspark.drafter.training.loss import LossWeights, combine, loss_sums
+from sglang_dspark.drafter.training.registry import build_trainer
+from sglang_dspark.drafter.training.target import (
+    TargetAdapter,
+    load_target_config,
+    make_tiny_target,
+)
+from sglang_dspark.drafter.training.train_mtp import (
+    MtpTrainer,
+    mtp_candidates,
+    sample_mtp_positions,
+)
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -426,7 +435,7 @@ def test_resume_matches_uninterrupted_run(setup):
 
 @pytest.mark.slow
 def test_kill_9_then_resume(setup):
-    """`python -m sglang_dspark.drafter.train --config` with drafter mtp, SIGKILL, resume:
+    """`python -m sglang_dspark.drafter.training.train --config` with drafter mtp, SIGKILL, resume:
     the same weights as a fresh run to the same step."""
     root, target = setup
     cfg = _cfg(root, target, "killed", steps=400, checkpoint_every=2)
@@ -435,7 +444,7 @@ def test_kill_9_then_resume(setup):
     ckpt = Path(cfg.out_dir) / "checkpoints" / "latest.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_dspark.drafter.train", "--config", str(cfg_file)],
+        [sys.executable, "-m", "sglang_dspark.drafter.training.train", "--config", str(cfg_file)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.time() + 120
@@ -451,7 +460,9 @@ def test_kill_9_then_resume(setup):
     resumed = build_trainer(dataclasses.replace(cfg, stop_after=4))
     assert isinstance(resumed, MtpTrainer) and resumed.step == step
     resumed.train()
-    fresh = build_trainer(dataclasses.replace(cfg, out_dir=str(root / "fresh"), stop_after=step + 4))
+    fresh = build_trainer(
+        dataclasses.replace(cfg, out_dir=str(root / "fresh"), stop_after=step + 4)
+    )
     fresh.train()
     a, b = resumed.drafter.state_dict(), fresh.drafter.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -471,7 +482,7 @@ def test_torchrun_two_ranks_equals_one(setup):
         path = root / f"tr-{name}.json"
         path.write_text(json.dumps(dataclasses.asdict(cfg)))
         proc = subprocess.run(
-            [*launcher, "-m", "sglang_dspark.drafter.train", "--config", str(path)],
+            [*launcher, "-m", "sglang_dspark.drafter.training.train", "--config", str(path)],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -487,7 +498,7 @@ def test_torchrun_two_ranks_equals_one(setup):
 
 
 def test_cli_trains_exports_and_inits_from_a_draft(setup, tmp_path, capsys):
-    from sglang_dspark.drafter.train import main
+    from sglang_dspark.drafter.training.cli import main
 
     root, target = setup
     out = tmp_path / "cli"
@@ -504,7 +515,9 @@ def test_cli_trains_exports_and_inits_from_a_draft(setup, tmp_path, capsys):
     assert set(a) == set(b)
     # --init-draft: start from an MTP draft directory.
     start = init_random_mtp_draft(target, tmp_path / "start", seed=5, dtype=torch.float32)
-    run = build_trainer(_cfg(root, target, "from-draft", init_draft=str(start), steps=2, resume=False))
+    run = build_trainer(
+        _cfg(root, target, "from-draft", init_draft=str(start), steps=2, resume=False)
+    )
     torch.testing.assert_close(
         run.drafter.norm.weight, load_mtp_draft(start).norm.weight, rtol=0, atol=0
     )
@@ -575,7 +588,7 @@ def test_bad_exports_give_clear_errors(tmp_path, setup):
     with pytest.raises(DraftCheckpointError, match="is an MTP-1 draft.*load_mtp_draft"):
         load_draft(good)
     dspark = tmp_path / "dspark"
-    from sglang_dspark.drafter.checkpoint import init_random_draft
+    from sglang_dspark.drafter.formats.checkpoint import init_random_draft
 
     init_random_draft(target, dspark, block_size=3, markov_rank=8)
     with pytest.raises(DraftCheckpointError, match="not an MTP draft"):

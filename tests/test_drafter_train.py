@@ -16,7 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_dspark.drafter.data import (
+from sglang_dspark.drafter.training.cli import main
+from sglang_dspark.drafter.training.config import TrainConfig
+from sglang_dspark.drafter.training.data import (
     TokenSequence,
     anchor_candidates,
     block_targets,
@@ -24,8 +26,8 @@ from sglang_dspark.drafter.data import (
     sample_anchor_split,
     sample_anchors,
 )
-from sglang_dspark.drafter.target import make_tiny_target
-from sglang_dspark.drafter.train import TrainConfig, Trainer, main
+from sglang_dspark.drafter.training.target import make_tiny_target
+from sglang_dspark.drafter.training.train import Trainer
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +173,9 @@ def test_feature_cache_runs_the_target_once_per_sequence_and_changes_nothing(set
     root, target = setup
     runs = {}
     for name, gb in (("cached", 1.0), ("uncached", 0.0)):
-        trainer = Trainer(_cfg(root, target, name, steps=12, checkpoint_every=100, feature_cache_gb=gb))
+        trainer = Trainer(
+            _cfg(root, target, name, steps=12, checkpoint_every=100, feature_cache_gb=gb)
+        )
         calls = []
 
         def counted(ids, *a, _calls=calls, _original=trainer.target.features, **k):
@@ -222,7 +226,9 @@ def test_kill_9_then_resume(setup):
     cfg = _cfg(root, target, "killed", steps=400, checkpoint_every=2)
     cfg_file = _write_config(cfg, root / "killed.json")
     ckpt = Path(cfg.out_dir) / "checkpoints" / "latest.pt"
-    proc = _run([sys.executable, "-m", "sglang_dspark.drafter.train", "--config", str(cfg_file)])
+    proc = _run(
+        [sys.executable, "-m", "sglang_dspark.drafter.training.train", "--config", str(cfg_file)]
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not ckpt.exists():
         time.sleep(0.2)
@@ -252,7 +258,7 @@ def test_torchrun_two_ranks_equals_one(setup):
         [
             sys.executable,
             "-m",
-            "sglang_dspark.drafter.train",
+            "sglang_dspark.drafter.training.train",
             "--config",
             str(_write_config(one, root / "one.json")),
         ]
@@ -268,7 +274,7 @@ def test_torchrun_two_ranks_equals_one(setup):
             "--nproc-per-node",
             "2",
             "-m",
-            "sglang_dspark.drafter.train",
+            "sglang_dspark.drafter.training.train",
             "--config",
             str(_write_config(two, root / "two.json")),
         ]
@@ -317,7 +323,7 @@ def test_bf16_autocast_step_is_close_to_fp32(setup):
 
 
 def test_training_can_start_from_an_existing_draft(setup):
-    from sglang_dspark.drafter.checkpoint import init_random_draft, load_draft
+    from sglang_dspark.drafter.formats.checkpoint import init_random_draft, load_draft
 
     root, target = setup
     start = init_random_draft(target, root / "start", block_size=3, markov_rank=8, seed=5)
@@ -331,7 +337,9 @@ def test_draft_layers_can_start_from_target_layers(setup):
     from sglang_dspark.drafter.config import DraftConfigError
 
     root, target = setup
-    trainer = Trainer(_cfg(root, target, "from_target", num_layers=2, init_layers_from_target=[3, 1]))
+    trainer = Trainer(
+        _cfg(root, target, "from_target", num_layers=2, init_layers_from_target=[3, 1])
+    )
     draft, tgt = trainer.drafter.layers, trainer.target.layers
     for i, t in enumerate([3, 1]):
         for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.down_proj.weight",
@@ -340,7 +348,9 @@ def test_draft_layers_can_start_from_target_layers(setup):
                 draft[i].get_parameter(name), tgt[t].get_parameter(name).float()
             )
     # q_norm / k_norm have no counterpart in a Llama target: they keep their init
-    assert torch.equal(draft[0].self_attn.q_norm.weight, torch.ones_like(draft[0].self_attn.q_norm.weight))
+    assert torch.equal(
+        draft[0].self_attn.q_norm.weight, torch.ones_like(draft[0].self_attn.q_norm.weight)
+    )
     random_start = Trainer(_cfg(root, target, "random_start", num_layers=2)).drafter.layers
     assert not torch.equal(random_start[0].mlp.up_proj.weight, draft[0].mlp.up_proj.weight)
     with pytest.raises(DraftConfigError, match="one target layer index per draft layer"):
@@ -353,8 +363,8 @@ def test_dflash_holds_the_markov_bias_at_zero_through_training_and_resume(setup)
     """The DFlash baseline trains the backbone (and the confidence head's W1) while B_k stays
     exactly 0, also after an interruption; its export is a DSpark draft whose Markov head adds
     nothing, so SGLang serves the backbone's drafts alone. MTP-1 has no head to switch off."""
-    from sglang_dspark.drafter.checkpoint import load_draft
     from sglang_dspark.drafter.config import DraftConfigError
+    from sglang_dspark.drafter.formats.checkpoint import load_draft
 
     root, target = setup
     Trainer(_cfg(root, target, "dflash", dflash=True, stop_after=4)).train()  # interrupted
@@ -374,7 +384,7 @@ def test_dflash_holds_the_markov_bias_at_zero_through_training_and_resume(setup)
     prev = torch.randint(0, 256, (2, 4))
     torch.testing.assert_close(drafter.draft_logits(hidden, prev), drafter.base_logits(hidden))
     with pytest.raises(DraftConfigError, match="MTP-1 has none"):
-        from sglang_dspark.drafter.train import build_trainer
+        from sglang_dspark.drafter.training.registry import build_trainer
 
         build_trainer(_cfg(root, target, "dflash-mtp", drafter="mtp", dflash=True))
 
@@ -404,7 +414,9 @@ def test_target_top_k_supervision(setup, tmp_path):
     assert sum(calls) == sum(seq.input_ids.numel() for seq in trainer.sequences)
     (key_dir,) = store.iterdir()
     stored = load_file(str(next(key_dir.iterdir())))
-    assert stored["topk_ids"].shape[-1] == 8 and stored["topk_logp"].shape == stored["topk_ids"].shape
+    assert (
+        stored["topk_ids"].shape[-1] == 8 and stored["topk_logp"].shape == stored["topk_ids"].shape
+    )
     with pytest.raises(Exception, match="target_topk is -1"):
         Trainer(_cfg(root, target, "topk-bad", target_topk=-1))
 
@@ -448,7 +460,7 @@ def test_feature_store_shares_target_features_between_runs(setup, tmp_path):
 # ------------------------------------------------------------------ devices
 def test_device_resolution_and_refusals(monkeypatch):
     from sglang_dspark.drafter.config import DraftConfigError
-    from sglang_dspark.drafter.train import resolve_device
+    from sglang_dspark.drafter.training.runtime import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
@@ -483,7 +495,8 @@ def test_every_micro_batch_tensor_moves_to_the_training_device(setup, kind):
     """What a step hands the drafter is moved as a whole (``to_device``): no tensor of a
     micro-batch (layout, labels, teacher logits or top-k, MSE targets) stays behind. Checked
     with the meta device, which any CPU torch has; the CPU path itself copies nothing."""
-    from sglang_dspark.drafter.train import build_trainer, to_device
+    from sglang_dspark.drafter.training.registry import build_trainer
+    from sglang_dspark.drafter.training.runtime import to_device
 
     root, target = setup
     kw = {"dspark-topk": {"target_topk": 8}, "dspark-mse": {"dense_anchors": 3, "mse_weight": 0.1},
@@ -544,8 +557,8 @@ def test_time_limit_exports_at_a_step_boundary_and_resumes(setup):
 def test_grown_drafter_computes_the_loaded_function_then_trains_its_new_layer(setup):
     """grow_layers appends copies of the last layer with zeroed output projections: the
     grown drafter's logits equal the loaded drafter's exactly; training then moves them."""
-    from sglang_dspark.drafter.checkpoint import init_random_draft, load_draft
     from sglang_dspark.drafter.config import DraftConfigError
+    from sglang_dspark.drafter.formats.checkpoint import init_random_draft, load_draft
 
     root, target = setup
     start = init_random_draft(target, root / "grow-start", block_size=4, markov_rank=8, seed=3)
@@ -570,8 +583,8 @@ def test_grown_drafter_computes_the_loaded_function_then_trains_its_new_layer(se
 
 
 def test_markov_rank_grows_without_changing_the_drafts_or_confidences(setup):
-    from sglang_dspark.drafter.checkpoint import init_random_draft, load_draft
     from sglang_dspark.drafter.config import DraftConfigError
+    from sglang_dspark.drafter.formats.checkpoint import init_random_draft, load_draft
 
     root, target = setup
     start = init_random_draft(target, root / "rank-start", block_size=4, markov_rank=8, seed=3)
@@ -584,8 +597,12 @@ def test_markov_rank_grows_without_changing_the_drafts_or_confidences(setup):
     mb = trainer._micro_batch(trainer._plan(0)[:2])
     with torch.no_grad():
         h0, h1 = _blocks(loaded, mb), _blocks(d, mb)
-        torch.testing.assert_close(d.draft_logits(h1, mb.prev_tokens),
-                                   loaded.draft_logits(h0, mb.prev_tokens), rtol=0, atol=0)
+        torch.testing.assert_close(
+            d.draft_logits(h1, mb.prev_tokens),
+            loaded.draft_logits(h0, mb.prev_tokens),
+            rtol=0,
+            atol=0,
+        )
         # The confidence head's input grows by zero columns: the same sum, in another
         # blocking of the float32 reduction (a few ulp).
         torch.testing.assert_close(d.confidence_logits(h1, mb.prev_tokens),
@@ -601,7 +618,7 @@ def test_held_out_evaluation_is_logged_and_agrees_with_a_direct_computation(setu
     """eval.jsonl: per-position mean of 1 - TV/2 on the held-out blocks at step 0, every
     eval_every steps and at the end; the step-0 record equals the same quantity computed
     directly from the untrained drafter; a drafter far from the target scores lower."""
-    from sglang_dspark.drafter.loss import tv_ce
+    from sglang_dspark.drafter.training.loss import tv_ce
 
     root, target = setup
     held = tmp_path / "held.jsonl"

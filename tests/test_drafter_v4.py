@@ -119,8 +119,10 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
 
 # ============================================================================ fixtures
 from sglang_dspark.drafter.config import DraftConfigError
-from sglang_dspark.drafter.target import make_tiny_target
-from sglang_dspark.drafter.train import TrainConfig, build_trainer, main
+from sglang_dspark.drafter.training.cli import main
+from sglang_dspark.drafter.training.config import TrainConfig
+from sglang_dspark.drafter.training.registry import build_trainer
+from sglang_dspark.drafter.training.target import make_tiny_target
 
 torch.set_num_threads(1)
 
@@ -162,8 +164,8 @@ def _cfg(tiny, data, out, **kw) -> TrainConfig:
 def _eval(trainer) -> tuple[float, float]:
     """(loss, acceptance proxy) of the trainer's drafter on fixed blocks: every sequence,
     the anchors of step 0's epoch, no gradient."""
-    from sglang_dspark.drafter.data import _stable_seed, block_targets, sample_anchor_split
-    from sglang_dspark.drafter.loss import LossSums, combine
+    from sglang_dspark.drafter.training.data import _stable_seed, block_targets, sample_anchor_split
+    from sglang_dspark.drafter.training.loss import LossSums, combine
 
     items = []
     for seq in trainer.sequences:
@@ -201,7 +203,7 @@ def test_v4_features_are_stream_means_of_the_captured_layers_outputs(tiny):
     capture), for every l in dspark_target_layer_ids [1, 2, 3] (3 is the last layer)."""
     from transformers import DeepseekV4ForCausalLM
 
-    from sglang_dspark.drafter.target_v4 import V4TargetAdapter
+    from sglang_dspark.drafter.training.target_v4 import V4TargetAdapter
 
     model = DeepseekV4ForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
     adapter = V4TargetAdapter(model, [1, 2, 3])
@@ -308,9 +310,9 @@ def sglang_side(trained, tiny, tmp_path_factory):
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV4ForCausalLM
 
-    from sglang_dspark.drafter.checkpoint_v4 import bundle_v4_draft, load_v4_draft
     from sglang_dspark.drafter.dspark_v4 import _rope, rope_cos_sin
-    from sglang_dspark.drafter.target_v4 import V4TargetAdapter
+    from sglang_dspark.drafter.formats.checkpoint_v4 import bundle_v4_draft, load_v4_draft
+    from sglang_dspark.drafter.training.target_v4 import V4TargetAdapter
 
     root = tmp_path_factory.mktemp("v4-sglang")
     bundled = bundle_v4_draft(tiny, trained["draft"], root / "bundled")
@@ -429,7 +431,7 @@ def test_the_export_round_trips_and_bundles_back_into_the_target(tiny, tmp_path)
     same tensors under the same names."""
     from safetensors.torch import load_file
 
-    from sglang_dspark.drafter.checkpoint_v4 import load_v4_draft, save_v4_draft
+    from sglang_dspark.drafter.formats.checkpoint_v4 import load_v4_draft, save_v4_draft
 
     drafter = load_v4_draft(tiny)
     save_v4_draft(drafter, tmp_path / "draft")

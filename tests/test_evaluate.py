@@ -14,10 +14,14 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from sglang_dspark import evaluation as ev
-from sglang_dspark.drafter.checkpoint import DraftCheckpointError, init_random_draft
 from sglang_dspark.drafter.config import DSparkDraftConfig
+from sglang_dspark.drafter.formats.checkpoint import DraftCheckpointError, init_random_draft
 from sglang_dspark.drafter.model import DSparkDrafter, init_weights
-from sglang_dspark.drafter.target import TargetAdapter, load_target_config, make_tiny_target
+from sglang_dspark.drafter.training.target import (
+    TargetAdapter,
+    load_target_config,
+    make_tiny_target,
+)
 
 torch.set_num_threads(1)
 
@@ -395,7 +399,9 @@ def test_benchmark_prompts_ship_inside_the_package(monkeypatch):
     monkeypatch.delenv("DSPARK_EVAL_DIR", raising=False)
     package = Path(ev.__file__).resolve().parents[1]
     assert ev.default_eval_dir().is_relative_to(package)
-    counts = {name: len(ev.load_prompts(ev.default_eval_dir(), name)) for name in ev.DEFAULT_BENCHMARKS}
+    counts = {
+        name: len(ev.load_prompts(ev.default_eval_dir(), name)) for name in ev.DEFAULT_BENCHMARKS
+    }
     assert counts == {"gsm8k": 1319, "humaneval": 164, "mt-bench": 80}
     assert "def has_close_elements" in ev.load_prompts(ev.default_eval_dir(), "humaneval", 1)[0]
 

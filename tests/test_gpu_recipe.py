@@ -102,8 +102,8 @@ def test_pack_run_unpack_without_sglang(bundle, tmp_path):
 
     runs = tmp_path / "runs"
     assert gpu_recipe.main(["unpack", "--parts", str(out), "--out", str(runs)]) == 0
-    from sglang_dspark.drafter.checkpoint import load_draft, load_mtp_draft
-    from sglang_dspark.drafter.target import load_target_config
+    from sglang_dspark.drafter.formats.checkpoint import load_draft, load_mtp_draft
+    from sglang_dspark.drafter.training.target import load_target_config
 
     target = load_target_config(work / "SmolLM2-135M-Instruct-bfloat16")
     assert load_draft(runs / "dspark" / "draft", target_config=target) is not None

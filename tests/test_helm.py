@@ -1203,15 +1203,15 @@ def test_loadtest_ships_loadtest_sla_py_unchanged():
         "helm/dspark/files/sla.py must be a copy of loadtest/sla.py: cp loadtest/sla.py helm/dspark/files/sla.py"
     )
     assert (CHART / "files" / "loadmetrics.py").read_bytes() == (
-        REPO / "sglang_dspark" / "loadmetrics.py"
+        REPO / "sglang_dspark" / "measurement" / "loadmetrics.py"
     ).read_bytes(), (
-        "helm/dspark/files/loadmetrics.py must be a copy of sglang_dspark/loadmetrics.py: "
-        "cp sglang_dspark/loadmetrics.py helm/dspark/files/loadmetrics.py"
+        "helm/dspark/files/loadmetrics.py must be a copy of sglang_dspark/measurement/loadmetrics.py: "
+        "cp sglang_dspark/measurement/loadmetrics.py helm/dspark/files/loadmetrics.py"
     )
     docs = render(PROFILES["qwen3-8b-dspark"], FULL)
     cm = find(docs, "ConfigMap", "dspark-loadtest")
     assert cm["data"]["sla.py"] == (REPO / "loadtest" / "sla.py").read_text().rstrip("\n")
-    metrics = (REPO / "sglang_dspark" / "loadmetrics.py").read_text().rstrip("\n")
+    metrics = (REPO / "sglang_dspark" / "measurement" / "loadmetrics.py").read_text().rstrip("\n")
     assert cm["data"]["loadmetrics.py"] == metrics
 
 

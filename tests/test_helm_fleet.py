@@ -715,7 +715,7 @@ def test_cache_env_matches_what_sglang_and_the_plugin_read(tmp_path, monkeypatch
     for var, path in json.loads(out.stdout.strip().splitlines()[-1]).items():
         assert env[var] == path, var
     # the plugin's SPS cache: <DSPARK_CACHE_DIR>/sps
-    from sglang_dspark import cache
+    from sglang_dspark.serving import cache
 
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "c"))
     assert cache.cache_dir() == tmp_path / "c"

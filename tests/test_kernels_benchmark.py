@@ -21,7 +21,9 @@ def test_benchmark_table_without_sglang(tmp_path):
     poison.mkdir()
     (poison / "sitecustomize.py").write_text("import sys\nsys.modules['sglang'] = None\n")
     env = {**os.environ, "PYTHONPATH": str(poison)}
-    args = [] if torch.cuda.is_available() else ["--requests", "2", "--context", "300", "--topk", "16"]
+    args = (
+        [] if torch.cuda.is_available() else ["--requests", "2", "--context", "300", "--topk", "16"]
+    )
     out = subprocess.run([sys.executable, str(REPO / "kernels" / "benchmark.py"), *args],
                          env=env, capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The SLA load test (loadtest/sla.py + sglang_dspark.loadmetrics) and the Pareto plots.
+"""The SLA load test (loadtest/sla.py + sglang_dspark.measurement.loadmetrics) and the Pareto plots.
 
 The maths runs on synthetic streams and samples with hand-computed numbers; Locust runs only in
 subprocesses (importing it here would monkey-patch this process with gevent): against a fake
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dspark import loadmetrics as lm
-from sglang_dspark import pareto
+from sglang_dspark.measurement import loadmetrics as lm
+from sglang_dspark.measurement import pareto
 
 REPO = Path(__file__).resolve().parents[1]
 SLA = REPO / "loadtest" / "sla.py"
@@ -517,7 +517,7 @@ def test_python_m_pareto_is_the_same_code_and_divides_by_replicas(tmp_path):
         [
             sys.executable,
             "-m",
-            "sglang_dspark.pareto",
+            "sglang_dspark.measurement.pareto",
             str(a),
             str(b),
             "--out",
@@ -546,7 +546,7 @@ def test_python_m_pareto_is_the_same_code_and_divides_by_replicas(tmp_path):
         [
             sys.executable,
             "-m",
-            "sglang_dspark.pareto",
+            "sglang_dspark.measurement.pareto",
             str(a),
             "--out",
             str(out),

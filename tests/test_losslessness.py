@@ -4,7 +4,7 @@ For the audit's three prompts we draw many short continuations from the embedded
 and without DSPARK and compare, per prompt, the token distributions at generated positions 2..4
 (position 1 comes from prefill, not from speculation) and the joint distribution of the first
 three tokens, with chi-square tests at a family-wise false-alarm rate of 0.1%
-(sglang_dspark.losslessness). The DSPARK comparison is `sglang-dspark audit` itself, as a user
+(sglang_dspark.verification.losslessness). The DSPARK comparison is `sglang-dspark audit` itself, as a user
 runs it; it keeps the plain server's continuations (`--reference-samples`), against which the
 other tests compare. The same tests must fail when the server's sampler keeps every draft token
 (`accept_all`), for DSPARK and for the MTP-1 baseline; the audit must fail when the replacement
@@ -24,9 +24,13 @@ import sys
 import pytest
 from conftest import sample_prompts
 
-from sglang_dspark.audit import DEFAULT_PROMPTS, ReferenceSamples, reference_samples_key
-from sglang_dspark.client import chat_prompt_ids
-from sglang_dspark.losslessness import compare_samples
+from sglang_dspark.serving.client import chat_prompt_ids
+from sglang_dspark.verification.audit import (
+    DEFAULT_PROMPTS,
+    ReferenceSamples,
+    reference_samples_key,
+)
+from sglang_dspark.verification.losslessness import compare_samples
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -42,7 +46,7 @@ ALPHA = 0.001
 NEW_TOKENS = 4
 POSITIONS = [1, 2, 3]  # 0-based: generated tokens 2..4
 JOINT = (0, 1, 2)  # the first three generated tokens as one category
-# the audit's own temperature-1 requests (`sglang_dspark.audit.audit`)
+# the audit's own temperature-1 requests (`sglang_dspark.verification.audit.audit`)
 SAMPLING = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}
 
 

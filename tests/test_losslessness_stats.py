@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from sglang_dspark.losslessness import compare_samples, detectable_tv
+from sglang_dspark.verification.losslessness import compare_samples, detectable_tv
 
 
 def test_no_test_run_fails_and_says_why():

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_dspark.losslessness import compare_samples, detectable_tv
-from sglang_dspark.rejection import chain_speculative_sampling_torch
+from sglang_dspark.verification.losslessness import compare_samples, detectable_tv
+from sglang_dspark.verification.rejection import chain_speculative_sampling_torch
 
 V, PROMPTS, LENGTH = 48, 3, 4
 AUDIT_SAMPLES = 240  # `sglang-dspark audit`'s default
@@ -136,7 +136,7 @@ def test_ratio_scaled_needs_more_samples_than_the_audit_draws_and_the_power_says
 
 
 def test_unknown_broken_mode_is_refused_with_the_valid_modes():
-    from sglang_dspark.rejection import parse_broken_mode
+    from sglang_dspark.verification.rejection import parse_broken_mode
 
     with pytest.raises(ValueError, match="accept_all, no_renorm, bonus_from_draft, ratio_scaled"):
         parse_broken_mode("accept_most")
@@ -169,8 +169,8 @@ def test_the_shipped_sampler_reads_no_test_switch(monkeypatch):
     test variable, and the CPU verification hook stays honest with the switch set."""
     from conftest import controls
 
-    from sglang_dspark import rejection
     from sglang_dspark.plugin import cpu_sampling
+    from sglang_dspark.verification import rejection
 
     package = Path(rejection.__file__).parent
     readers = [p for p in package.rglob("*.py") if "SGLANG_DSPARK_TEST" in p.read_text()]
@@ -208,7 +208,7 @@ def test_the_controls_plugin_loads_only_from_its_folder():
     from conftest import controls
 
     code = ("from sglang.srt.plugins import load_plugins; load_plugins(); "
-            "import sglang_dspark.rejection as r; "
+            "import sglang_dspark.verification.rejection as r; "
             "print('CONTROLS', getattr(r.chain_speculative_sampling_torch, '_test_controls', False))")  # fmt: skip
     base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     base["SGLANG_USE_CPU_ENGINE"] = "1"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dspark import patching
+from sglang_dspark.serving import patching
 
 
 def _patched_files() -> list[str]:

@@ -295,8 +295,8 @@ FUTURE_SGLANG = """
 
 def _launch(embedded_paths, env, timeout=600) -> tuple[subprocess.CompletedProcess, float]:
     """The README's serve command (what `sglang-dspark embedded --print-command` prints)."""
-    from sglang_dspark import embedded
-    from sglang_dspark.server import free_port
+    from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.server import free_port
 
     cmd = embedded.launch_command(embedded_paths, port=free_port())
     t0 = time.monotonic()
@@ -404,8 +404,8 @@ def test_readme_serve_command_works_as_typed_without_environment(embedded_paths,
     environment without SETUP_ENV, and nothing added (the session pool adds `launch_env()`)."""
     import requests
 
-    from sglang_dspark import embedded
-    from sglang_dspark.server import SGLangServer, free_port
+    from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.server import SGLangServer, free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in SETUP_ENV}
@@ -429,7 +429,6 @@ def test_readme_serve_command_works_as_typed_without_environment(embedded_paths,
     log = server.log_path.read_text()
     assert "SGLANG_USE_CPU_ENGINE=1 set for this launch" in log
     assert "SGLANG_DSPARK_SCHEDULER=sync" in log
-
 
 
 def test_register_refuses_when_a_hook_module_fails_to_import(monkeypatch):

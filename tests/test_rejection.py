@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from sglang_dspark.rejection import chain_rejection_sample
+from sglang_dspark.verification.rejection import chain_rejection_sample
 
 
 def test_output_distribution_equals_target_and_accept_all_does_not():
@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from sglang.kernels.ops.speculative.reject_sampling import chain_speculative_sampling_triton
-    from sglang_dspark.rejection import chain_speculative_sampling_torch
+    from sglang_dspark.verification.rejection import chain_speculative_sampling_torch
 
     torch.manual_seed(1)
     bs, n, vocab = 6, 5, 40
@@ -73,6 +73,11 @@ def test_torch_sampler_is_identical_to_sglang_triton_kernel():
     """Same coins in, same buffers out: the Triton kernel run by Triton's CPU interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, check=False
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert "IDENTICAL" in proc.stdout, proc.stderr[-3000:]

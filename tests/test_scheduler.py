@@ -14,8 +14,7 @@ from sglang.srt.speculative.dspark_components.dspark_sps import (
     SpsCostTable,
 )
 
-from sglang_dspark.rejection import chain_rejection_sample
-from sglang_dspark.scheduler import (
+from sglang_dspark.scheduling.scheduler import (
     expected_throughput,
     greedy_path,
     load_sps_table,
@@ -30,6 +29,7 @@ from sglang_dspark.scheduler import (
     top_k_lengths,
     verify_capacity,
 )
+from sglang_dspark.verification.rejection import chain_rejection_sample
 
 torch.set_num_threads(1)
 

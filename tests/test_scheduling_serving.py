@@ -18,9 +18,9 @@ import sglang
 import torch
 from conftest import eval_prompts
 
-from sglang_dspark import sps
 from sglang_dspark.calibration import load_data
-from sglang_dspark.client import chat_prompt_ids, generate_many
+from sglang_dspark.scheduling import sps
+from sglang_dspark.serving.client import chat_prompt_ids, generate_many
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -106,11 +106,13 @@ def test_server_verifies_algorithm_1s_lengths_on_its_own_confidences(traced, pro
     from sglang.srt.speculative.dspark_components.dspark_planner import DSparkScheduleConfig
 
     from sglang_dspark.plugin.verify_trace import read_trace
-    from sglang_dspark.scheduler import schedule_sync
+    from sglang_dspark.scheduling.scheduler import schedule_sync
 
     server, out_dir = traced
     generate_many(server.base_url, prompt_ids, concurrency=8, max_new_tokens=32)
-    table = sps.table_from_json(json.dumps(json.loads(_sps_cache_file(server.log_text()).read_text())["table"]))
+    table = sps.table_from_json(
+        json.dumps(json.loads(_sps_cache_file(server.log_text()).read_text())["table"])
+    )
     steps = [r for r in read_trace(str(out_dir / "trace") + ".rank0.jsonl") if r["confidence"]]
     assert len(steps) >= 20, f"only {len(steps)} traced verify steps"
     cfg = DSparkScheduleConfig(gamma=7)

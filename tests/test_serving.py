@@ -8,7 +8,7 @@ import pytest
 import requests
 from conftest import eval_prompts
 
-from sglang_dspark.client import chat_prompt_ids, generate_many
+from sglang_dspark.serving.client import chat_prompt_ids, generate_many
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -82,7 +82,6 @@ def test_compare_measures_the_served_tau_of_running_servers(servers, embedded_pa
     assert served == {"0": {"gsm8k": None, "all": None}}
 
 
-
 def test_dspark_serves_in_bfloat16(servers, embedded_paths, tokenizer):
     """bf16, the embedded default's dtype: DSPARK's first tokens equal the plain server's
     (later near-ties may round differently in a verify window and a decode step)."""
@@ -107,7 +106,9 @@ def test_greedy_dspark_equals_plain_token_for_token(servers, embedded_paths, tok
     plain, _ = _greedy(servers.get(embedded_paths, dtype="float32", speculative=False), prompt_ids)
     spec, meta = _greedy(servers.get(embedded_paths, dtype="float32"), prompt_ids)
     for i, (a, b) in enumerate(zip(plain, spec)):
-        assert a == b, f"prompt {i}: DSPARK diverged at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y) if any(x != y for x, y in zip(a, b)) else min(len(a), len(b))}"
+        assert a == b, (
+            f"prompt {i}: DSPARK diverged at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y) if any(x != y for x, y in zip(a, b)) else min(len(a), len(b))}"
+        )
     # speculation really ran: every request went through DSPARK verify rounds
     assert all(m.get("spec_verify_ct", 0) > 0 for m in meta)
 
@@ -184,7 +185,7 @@ def test_mtp1_baseline_refuses_a_tree_on_cpu(embedded_paths, tmp_path):
     start-up with the fix, before any weights load."""
     import subprocess
 
-    from sglang_dspark import embedded
+    from sglang_dspark.serving import embedded
 
     cmd = embedded.launch_command(embedded_paths, port=1, arm="mtp1")
     i = cmd.index("--speculative-eagle-topk")

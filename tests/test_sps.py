@@ -14,8 +14,8 @@ from sglang.srt.speculative.dspark_components.dspark_sps import (
     load_sps_table_from_path,
 )
 
-from sglang_dspark import sps
 from sglang_dspark.plugin.scheduling import SchedulerConfigError, apply_mode_env
+from sglang_dspark.scheduling import sps
 
 
 def _key(**kw) -> sps.SpsKey:
@@ -113,7 +113,7 @@ def test_algorithm1_at_one_request_picks_intermediate_windows():
     """R = 1, the same confidence c at every position: as c rises the window should grow one
     draft at a time. The powers-of-two floor table is flat inside [4, 8): every draft there is
     free, so the window only ever ends just before a probe (0, 2, 6 drafts) or takes all 7."""
-    from sglang_dspark.scheduler import schedule_sync
+    from sglang_dspark.scheduling.scheduler import schedule_sync
 
     def windows(table) -> set[int]:
         out = set()
@@ -151,7 +151,7 @@ def test_draft_cost_makes_the_optimal_budget_at_high_load_larger():
         compute_verify_token_budget,
     )
 
-    from sglang_dspark.scheduler import schedule_sync
+    from sglang_dspark.scheduling.scheduler import schedule_sync
 
     c = torch.rand(16, 7, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.45
     cfg = DSparkScheduleConfig(gamma=7)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_dspark.plugin import scheduling
-from sglang_dspark.scheduler import schedule_sync
+from sglang_dspark.scheduling.scheduler import schedule_sync
 
 
 @pytest.fixture
@@ -61,7 +61,10 @@ def test_interleaved_batches_each_verify_their_own_lengths(sync_mode):
     a = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.9, 0.1, 0.9, 0.9]], dtype=torch.float32)
     b = torch.tensor([[0.95, 0.95, 0.95, 0.2], [0.3, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.9]])
     budget_a, budget_b = _budget(planner, a), _budget(planner, b)  # both before either layout
-    want_a, want_b = schedule_sync(a.double(), planner.sps_table), schedule_sync(b.double(), planner.sps_table)
+    want_a, want_b = (
+        schedule_sync(a.double(), planner.sps_table),
+        schedule_sync(b.double(), planner.sps_table),
+    )
     assert budget_a == int(want_a.sum()) and budget_b == int(want_b.sum())
     assert not torch.equal(want_a, want_b[:2])  # the two steps differ: mixing them would show
     lens_b = _layout(planner, b, budget_b)

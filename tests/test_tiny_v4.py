@@ -148,7 +148,7 @@ def test_config_marks_a_bundled_dspark_draft_and_uses_smollm2s_tokenizer(built, 
     assert cfg["rope_scaling"]["type"] == "yarn"
     assert tensors["embed.weight"].shape == (49152, 256)
 
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     text = "Natalia sold clips to 48 of her friends in April."
     ours = AutoTokenizer.from_pretrained(built).encode(text)

@@ -14,8 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_dspark.drafter.target import make_tiny_target, padded_batch
-from sglang_dspark.drafter.train import TrainConfig, build_trainer, to_device
+from sglang_dspark.drafter.training.config import TrainConfig
+from sglang_dspark.drafter.training.registry import build_trainer
+from sglang_dspark.drafter.training.runtime import to_device
+from sglang_dspark.drafter.training.target import make_tiny_target, padded_batch
 
 torch.set_num_threads(1)
 EVAL = Path(__file__).resolve().parents[1] / "sglang_dspark" / "assets" / "eval"
@@ -27,14 +29,19 @@ def _write_data(path: Path, n: int = 12, vocab: int = 256, seed: int = 0) -> Pat
         for _ in range(n):
             length, prompt = rng.randint(14, 60), rng.randint(2, 8)  # unequal: padding
             ids = [rng.randrange(vocab) for _ in range(length)]
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (length - prompt)}) + "\n")
+            f.write(
+                json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (length - prompt)})
+                + "\n"
+            )
     return path
 
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     root = tmp_path_factory.mktemp("batching")
-    targets = {arch: make_tiny_target(root / arch, arch=arch, num_layers=4) for arch in ("llama", "qwen3")}
+    targets = {
+        arch: make_tiny_target(root / arch, arch=arch, num_layers=4) for arch in ("llama", "qwen3")
+    }
     return root, targets, _write_data(root / "data.jsonl")
 
 
@@ -95,7 +102,9 @@ def test_dspark_batched_features_and_loss_equal_per_sequence(dense, arch, tmp_pa
 
 def test_dspark_dense_mse_and_top_k_terms_batch_too(dense, tmp_path):
     _root, targets, data = dense
-    mse = build_trainer(_cfg(targets["llama"], data, tmp_path / "mse", mse_weight=0.5, dense_anchors=3))
+    mse = build_trainer(
+        _cfg(targets["llama"], data, tmp_path / "mse", mse_weight=0.5, dense_anchors=3)
+    )
     _batched_equals_per_sequence(mse)
     topk = build_trainer(_cfg(targets["llama"], data, tmp_path / "topk", target_topk=7))
     _features_match(topk)
@@ -122,7 +131,9 @@ def test_v4_batched_features_and_loss_equal_per_sequence(tmp_path_factory):
     with open(root / "data.jsonl", "w") as f:
         for t in texts:
             ids = tok.encode(t).ids[:150]
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 4 + [1] * (len(ids) - 4)}) + "\n")
+            f.write(
+                json.dumps({"input_ids": ids, "loss_mask": [0] * 4 + [1] * (len(ids) - 4)}) + "\n"
+            )
     cfg = _cfg(tiny, root / "data.jsonl", root / "run", drafter="dspark-v4", target_layer_ids=None,
                block_size=5, markov_rank=8, target_dtype="float32")  # fmt: skip
     trainer = build_trainer(cfg)

@@ -48,8 +48,8 @@ import requests
 import torch
 from conftest import broken_sampler, controls, sample_prompts, verify_every_draft
 
-from sglang_dspark.losslessness import LosslessnessReport, compare_samples
-from sglang_dspark.server import SGLangServer, free_port
+from sglang_dspark.serving.server import SGLangServer, free_port
+from sglang_dspark.verification.losslessness import LosslessnessReport, compare_samples
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -269,7 +269,7 @@ def test_dspark_start_up_profiled_sps(dspark_server, tiny_v4):
     the draft pass at every R. Before the profile's dummy batches carried V4's ragged layout
     and draft block width, the verify probe crashed the start-up (`deepseek_v4_backend.py`'s
     out-loc assert) and the draft pass was skipped (alpha = 0)."""
-    from sglang_dspark import sps
+    from sglang_dspark.scheduling import sps
 
     log = dspark_server.log_text()
     found = sps.STARTUP_LINE.findall(log)

@@ -30,7 +30,7 @@ import torch
 
 from sglang_dspark.plugin import v4_kernels
 from sglang_dspark.plugin.verify_trace import read_trace, trace_path
-from sglang_dspark.server import SGLangServer, free_port
+from sglang_dspark.serving.server import SGLangServer, free_port
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -210,7 +210,7 @@ def test_a_draft_in_the_dspark_subfolder_is_checked(bad, tiny_v4, tmp_path):
 
 # ------------------------------------------------------------------ real launches
 def _launch(model: Path, extra=(), timeout=600) -> subprocess.CompletedProcess:
-    from sglang_dspark.server import free_port
+    from sglang_dspark.serving.server import free_port
 
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),

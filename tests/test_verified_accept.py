@@ -8,8 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dspark.losslessness import compare_samples
-from sglang_dspark.rejection import chain_accept_verified, chain_speculative_sampling_torch
+from sglang_dspark.verification.losslessness import compare_samples
+from sglang_dspark.verification.rejection import (
+    chain_accept_verified,
+    chain_speculative_sampling_torch,
+)
 
 V, G = 40, 7
 

@@ -36,21 +36,21 @@ the best value.
 
 from __future__ import annotations
 
-from .cli import (
+from sglang_dspark.calibration.cli import (
     add_arguments,
     plot_reliability,
     run,
     write_calibration,
     write_metrics,
 )
-from .data import (
+from sglang_dspark.calibration.data import (
     StsData,
     load_collector_shard,
     load_data,
     load_sts_data,
     save_sts_data,
 )
-from .sts import (
+from sglang_dspark.calibration.sts import (
     DEFAULT_NUM_BINS,
     CalibrationResult,
     apply_temperatures,

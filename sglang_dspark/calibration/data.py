@@ -15,7 +15,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class StsData:
     """Per-block confidence logits and verification outcomes, each [N, gamma]."""
@@ -45,13 +44,18 @@ class StsData:
             )
         window = self.window_mask()
         if bool((self.valid & ~window).any()):
-            raise ValueError(f"STS data marks a position valid beyond its block's `verified` "
-                             f"count{self._where()}")
+            raise ValueError(
+                f"STS data marks a position valid beyond its block's `verified` "
+                f"count{self._where()}"
+            )
         reachable = torch.ones_like(self.valid)
         reachable[:, 1:] = ok_before
         if bool((reachable & window & ~self.valid).any()):
-            hint = ("pass `verified` (drafts in each block's verify window)"
-                    if self.verified is None else "fix `valid` or `verified`")
+            hint = (
+                "pass `verified` (drafts in each block's verify window)"
+                if self.verified is None
+                else "fix `valid` or `verified`"
+            )
             raise ValueError(
                 "STS data has positions that were reachable (every earlier draft accepted) but "
                 f"are not marked valid{self._where()}: the blocks were verified only partly; "
@@ -84,8 +88,9 @@ class StsData:
 
     def rows(self, index: torch.Tensor) -> StsData:
         verified = None if self.verified is None else self.verified[index]
-        return StsData(self.logits[index], self.accepted[index], self.valid[index], verified,
-                       self.source)
+        return StsData(
+            self.logits[index], self.accepted[index], self.valid[index], verified, self.source
+        )
 
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[StsData, StsData | None]:
         """Random row split into (fit, held-out); held-out is None for fraction 0."""
@@ -108,11 +113,14 @@ class StsData:
             )
         verified = None
         if any(p.verified is not None for p in parts):
-            verified = torch.cat([
-                p.verified if p.verified is not None
-                else torch.full((p.num_samples,), p.gamma, dtype=torch.int64)
-                for p in parts
-            ])
+            verified = torch.cat(
+                [
+                    p.verified
+                    if p.verified is not None
+                    else torch.full((p.num_samples,), p.gamma, dtype=torch.int64)
+                    for p in parts
+                ]
+            )
         return StsData(
             torch.cat([p.logits for p in parts]),
             torch.cat([p.accepted for p in parts]),
@@ -200,10 +208,13 @@ def load_sts_data(path: str | Path) -> StsData:
         )
     missing = {"logits", "accepted", "valid"} - set(arrays)
     if missing:
-        raise ValueError(f"{path} lacks the arrays {sorted(missing)} (need logits, accepted, "
-                         "valid, each [N, gamma])")
-    return _as_data(arrays["logits"], arrays["accepted"], arrays["valid"],
-                    arrays.get("verified"), str(path))
+        raise ValueError(
+            f"{path} lacks the arrays {sorted(missing)} (need logits, accepted, "
+            "valid, each [N, gamma])"
+        )
+    return _as_data(
+        arrays["logits"], arrays["accepted"], arrays["valid"], arrays.get("verified"), str(path)
+    )
 
 
 def load_data(specs: str | Sequence[str]) -> StsData:
@@ -219,4 +230,3 @@ def load_data(specs: str | Sequence[str]) -> StsData:
         if not Path(p).is_file():
             raise FileNotFoundError(f"STS data file {p} does not exist")
     return StsData.concat([load_sts_data(p) for p in paths], source=",".join(specs))
-

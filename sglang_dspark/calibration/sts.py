@@ -12,13 +12,12 @@ import numpy as np
 import torch
 from sglang.srt.speculative.dspark_components.dspark_sts import DSparkStsCalibration
 
-from .data import StsData
+from sglang_dspark.calibration.data import StsData
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_BINS = 15
 _EPS = 1e-12
-
 
 
 def apply_temperatures(logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
@@ -65,8 +64,9 @@ def brier_score(probs: torch.Tensor, labels: torch.Tensor) -> float:
     return float(((p - labels.reshape(-1).to(torch.float64)) ** 2).mean())
 
 
-def _scores(probs: torch.Tensor, labels: torch.Tensor, num_bins: int,
-            rank_by: torch.Tensor | None = None) -> dict[str, float]:
+def _scores(
+    probs: torch.Tensor, labels: torch.Tensor, num_bins: int, rank_by: torch.Tensor | None = None
+) -> dict[str, float]:
     """ECE and Brier of `probs`; ROC-AUC of `rank_by` (a score in the same order) if given."""
     return {
         "ece": expected_calibration_error(probs, labels, num_bins),
@@ -75,16 +75,14 @@ def _scores(probs: torch.Tensor, labels: torch.Tensor, num_bins: int,
     }
 
 
-
-
-
 def temperature_grid() -> torch.Tensor:
     """SGLang's grid, value for value: 41 temperatures log-spaced over 0.1..10 (in float32)."""
     return torch.logspace(math.log10(0.1), math.log10(10.0), steps=41).to(torch.float64)
 
 
-def _best_temperature(prev: torch.Tensor, z: torch.Tensor, y: torch.Tensor, grid: torch.Tensor,
-                      num_bins: int) -> float:
+def _best_temperature(
+    prev: torch.Tensor, z: torch.Tensor, y: torch.Tensor, grid: torch.Tensor, num_bins: int
+) -> float:
     """The grid value minimising ECE of prev * sigmoid(z / T) (first one on ties)."""
     eces = [expected_calibration_error(prev * torch.sigmoid(z / t), y, num_bins) for t in grid]
     return float(grid[int(np.argmin(eces))])
@@ -114,8 +112,9 @@ def fit(data: StsData, num_bins: int = DEFAULT_NUM_BINS, refine: bool = True) ->
     return temps
 
 
-def evaluate(temperatures: Sequence[float], data: StsData,
-             num_bins: int = DEFAULT_NUM_BINS) -> dict[str, Any]:
+def evaluate(
+    temperatures: Sequence[float], data: StsData, num_bins: int = DEFAULT_NUM_BINS
+) -> dict[str, Any]:
     """Per-position ECE / ROC-AUC / Brier before (T = 1) and after STS.
 
     "conditional": c_k against accepted_k on the valid rows (what the head predicts);
@@ -135,17 +134,22 @@ def evaluate(temperatures: Sequence[float], data: StsData,
     positions = []
     for k in range(data.gamma):
         v, kn = data.valid[:, k], in_window[:, k]
-        positions.append({
-            "position": k + 1,
-            "temperature": float(temperatures[k]),
-            "num_valid": int(v.sum()),
-            "num_in_window": int(kn.sum()),
-            "accept_rate": float(data.accepted[v, k].double().mean()) if bool(v.any()) else None,
-            "conditional": {
-                s: _scores(c[s][v, k], data.accepted[v, k], num_bins, scaled[s][v, k]) for s in c
-            },
-            "cumulative": {s: _scores(a[s][kn, k], label[kn, k], num_bins) for s in a},
-        })
+        positions.append(
+            {
+                "position": k + 1,
+                "temperature": float(temperatures[k]),
+                "num_valid": int(v.sum()),
+                "num_in_window": int(kn.sum()),
+                "accept_rate": float(data.accepted[v, k].double().mean())
+                if bool(v.any())
+                else None,
+                "conditional": {
+                    s: _scores(c[s][v, k], data.accepted[v, k], num_bins, scaled[s][v, k])
+                    for s in c
+                },
+                "cumulative": {s: _scores(a[s][kn, k], label[kn, k], num_bins) for s in a},
+            }
+        )
 
     def mean_ece(kind: str, stage: str) -> float:
         vals = [p[kind][stage]["ece"] for p in positions if p["num_in_window"]]
@@ -171,17 +175,23 @@ class CalibrationResult:
     heldout: StsData | None
 
 
-def calibrate(data: StsData, heldout_fraction: float = 0.3, num_bins: int = DEFAULT_NUM_BINS,
-              seed: int = 0, dataset: str | None = None,
-              heldout_data: StsData | None = None) -> CalibrationResult:
+def calibrate(
+    data: StsData,
+    heldout_fraction: float = 0.3,
+    num_bins: int = DEFAULT_NUM_BINS,
+    seed: int = 0,
+    dataset: str | None = None,
+    heldout_data: StsData | None = None,
+) -> CalibrationResult:
     """Split, fit on one part, evaluate on both; ece_before/after from the held-out part.
 
     With `heldout_data` (e.g. blocks from other prompts) all of `data` is fitted and the
     held-out metrics come from `heldout_data` instead of a row split."""
     if heldout_data is not None:
         if heldout_data.gamma != data.gamma:
-            raise ValueError(f"held-out data has gamma={heldout_data.gamma}, the fitting data "
-                             f"{data.gamma}")
+            raise ValueError(
+                f"held-out data has gamma={heldout_data.gamma}, the fitting data {data.gamma}"
+            )
         train, heldout, heldout_fraction = data, heldout_data, 0.0
     else:
         train, heldout = data.split(heldout_fraction, seed)
@@ -200,6 +210,10 @@ def calibrate(data: StsData, heldout_fraction: float = 0.3, num_bins: int = DEFA
         ece_before=ece_before,
         ece_after=ece_after,
     )
-    metrics = {"heldout_fraction": heldout_fraction, "seed": seed, "fit": fit_metrics,
-               "heldout": held_metrics}
+    metrics = {
+        "heldout_fraction": heldout_fraction,
+        "seed": seed,
+        "fit": fit_metrics,
+        "heldout": held_metrics,
+    }
     return CalibrationResult(calibration, metrics, heldout)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from .prompts import ALL_DOMAINS, DOMAINS
+    from sglang_dspark.data.prompts import ALL_DOMAINS, DOMAINS
 
     p.add_argument("--per-domain", type=int, default=100, help="prompts per domain")
     p.add_argument("--seed", type=int, default=0)
@@ -84,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _prompt_set(args: argparse.Namespace):
-    from .eval_guard import EvalGuard
-    from .prompts import build_prompts
+    from sglang_dspark.data.eval_guard import EvalGuard
+    from sglang_dspark.data.prompts import build_prompts
 
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     guard = None if args.no_eval_guard else EvalGuard.from_dir(args.eval_dir)
@@ -98,8 +98,8 @@ def _prompt_set(args: argparse.Namespace):
 def _prompt_file(args: argparse.Namespace):
     """``--prompts FILE`` as a PromptSet: every prompt in file order, grouped by its domain
     (``custom`` when it names none), eval overlaps dropped unless --no-eval-guard."""
-    from .eval_guard import EvalGuard
-    from .prompts import PromptSet, read_prompts
+    from sglang_dspark.data.eval_guard import EvalGuard
+    from sglang_dspark.data.prompts import PromptSet, read_prompts
 
     path = Path(args.prompts)
     if not path.is_file():
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_prompts(args: argparse.Namespace) -> int:
-    from .prompts import write_prompts
+    from sglang_dspark.data.prompts import write_prompts
 
     prompts = _prompt_set(args)
     write_prompts(args.out, prompts.interleaved())
@@ -164,7 +164,7 @@ def _run_prompts(args: argparse.Namespace) -> int:
 def _run_build(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from .generate import HFBackend, Sampling, SGLangBackend, generate_dataset
+    from sglang_dspark.data.generate import HFBackend, Sampling, SGLangBackend, generate_dataset
 
     if not (Path(args.target) / "config.json").exists():
         raise FileNotFoundError(

@@ -25,8 +25,6 @@ NGRAM = 8
 _WORD = re.compile(r"\w+")
 
 
-
-
 def normalise(text: str) -> str:
     return " ".join(_WORD.findall(unicodedata.normalize("NFKC", text).lower()))
 

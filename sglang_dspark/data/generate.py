@@ -127,7 +127,7 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..drafter.train import resolve_device
+        from sglang_dspark.drafter.training.runtime import resolve_device
 
         self.model = str(target_dir)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .eval_guard import EvalGuard
+from sglang_dspark.data.eval_guard import EvalGuard
 
 DOMAINS = ("code", "chat", "math")  # the default set
 ALL_DOMAINS = (*DOMAINS, "writing")
@@ -27,19 +27,19 @@ ALL_DOMAINS = (*DOMAINS, "writing")
 
 def prompt_stream(domain: str, seed: int) -> Iterator[dict]:
     if domain == "code":
-        from .stdlib_code import code_prompts
+        from sglang_dspark.data.stdlib_code import code_prompts
 
         return code_prompts(seed)
     if domain == "chat":
-        from .python_docs import chat_prompts
+        from sglang_dspark.data.python_docs import chat_prompts
 
         return chat_prompts(seed)
     if domain == "math":
-        from .word_problems import math_prompts
+        from sglang_dspark.data.word_problems import math_prompts
 
         return math_prompts(seed)
     if domain == "writing":
-        from .writing import writing_prompts
+        from sglang_dspark.data.writing import writing_prompts
 
         return writing_prompts(seed)
     raise ValueError(f"unknown prompt domain {domain!r}; expected one of {', '.join(ALL_DOMAINS)}")
@@ -49,20 +49,20 @@ def source_info(domains: Sequence[str]) -> dict:
     """What the prompts were made from, to compare runs across machines."""
     info: dict = {}
     if "code" in domains:
-        from .stdlib_code import stdlib_manifest
+        from sglang_dspark.data.stdlib_code import stdlib_manifest
 
         info["code"] = {"stdlib": stdlib_manifest().summary()}
     if "chat" in domains:
-        from .python_docs import PACKAGE, ensure_python_docs
+        from sglang_dspark.data.python_docs import PACKAGE, ensure_python_docs
 
         marker = ensure_python_docs().parent / ".dspark-extracted"
         info["chat"] = {"package": marker.read_text().strip() if marker.exists() else PACKAGE}
     if "math" in domains:
-        from .word_problems import TEMPLATES
+        from sglang_dspark.data.word_problems import TEMPLATES
 
         info["math"] = {"templates": sorted({t.__name__ for t in TEMPLATES})}
     if "writing" in domains:
-        from .writing import SUBJECTS, TASKS, templates_sha256
+        from sglang_dspark.data.writing import SUBJECTS, TASKS, templates_sha256
 
         info["writing"] = {
             "tasks": len(TASKS),

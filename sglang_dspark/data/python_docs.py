@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_dspark.cache import cache_dir
+from sglang_dspark.serving.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 

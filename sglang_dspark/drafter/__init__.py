@@ -1,13 +1,18 @@
-"""The DSpark drafter: model, target adapters, loss, training, checkpoints.
+"""The DSpark drafter: the model here, its training in ``training/``, its files in ``formats/``.
 
 Modules: ``config`` (DSparkDraftConfig <-> SGLang config.json, validation against a target),
 ``model`` (parallel backbone with KV injection), ``markov_head`` (sequential stage),
-``confidence`` (confidence head), ``target`` (HF target adapters, layer-id convention),
-``loss`` (CE + TV + CONF), ``train`` (trainer, torchrun-ready), ``checkpoint`` (SGLang
-export, DeepSpec import, validation, random init).
+``confidence`` (confidence head), ``mtp`` (the MTP-1 baseline drafter), ``dspark_v4``
+(the DeepSeek-V4 drafter); ``training/`` (trainers, data, losses, target adapters),
+``formats/`` (SGLang export, DeepSpec import, validation, random init, draft vocabulary).
 """
 
-from .checkpoint import (
+from sglang_dspark.drafter.config import (
+    DraftConfigError,
+    DSparkDraftConfig,
+    validate_draft_for_target,
+)
+from sglang_dspark.drafter.formats.checkpoint import (
     DraftCheckpointError,
     export,
     import_deepspec,
@@ -16,8 +21,7 @@ from .checkpoint import (
     save_draft,
     validate_checkpoint,
 )
-from .config import DraftConfigError, DSparkDraftConfig, validate_draft_for_target
-from .model import DSparkDrafter
+from sglang_dspark.drafter.model import DSparkDrafter
 
 __all__ = [
     "DSparkDraftConfig",

@@ -66,10 +66,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .confidence import ConfidenceHead
-from .config import DraftConfigError, _as_dict, default_mask_token_id
-from .markov_head import VanillaMarkov
-from .model import BlockLayout, DrafterHeads, SharedVocab
+from sglang_dspark.drafter.confidence import ConfidenceHead
+from sglang_dspark.drafter.config import DraftConfigError, _as_dict, default_mask_token_id
+from sglang_dspark.drafter.markov_head import VanillaMarkov
+from sglang_dspark.drafter.model import BlockLayout, DrafterHeads, SharedVocab
 
 logger = logging.getLogger(__name__)
 

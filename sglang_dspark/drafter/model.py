@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .confidence import ConfidenceHead
-from .config import DSparkDraftConfig
-from .markov_head import VanillaMarkov, build_markov_head
+from sglang_dspark.drafter.confidence import ConfidenceHead
+from sglang_dspark.drafter.config import DSparkDraftConfig
+from sglang_dspark.drafter.markov_head import VanillaMarkov, build_markov_head
 
 
 class RMSNorm(nn.Module):
@@ -346,7 +346,9 @@ class DSparkDrafter(DrafterHeads, nn.Module):
         a packed layout (context [S, m*H]), [N, A, gamma, H] for a batched one ([N, S, m*H])."""
         batched = target_features.dim() == 3
         if batched != layout.batched:
-            raise ValueError("context [N, S, F] goes with a batched layout, [S, F] with a packed one")
+            raise ValueError(
+                "context [N, S, F] goes with a batched layout, [S, F] with a packed one"
+            )
         if not batched:
             target_features, layout = target_features[None], layout.unsqueezed()
         ctx = self.project_context(target_features)
@@ -357,7 +359,6 @@ class DSparkDrafter(DrafterHeads, nn.Module):
             x = layer(x, layout.positions, ctx, layout.ctx_positions, ctx_visible)
         x = self.norm(x)
         return x if batched else x[0]
-
 
 
 @torch.no_grad()

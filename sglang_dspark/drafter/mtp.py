@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DraftConfigError, _as_dict
-from .model import DSparkMLP, RMSNorm, SharedVocab, apply_rope
+from sglang_dspark.drafter.config import DraftConfigError, _as_dict
+from sglang_dspark.drafter.model import DSparkMLP, RMSNorm, SharedVocab, apply_rope
 
 # The class SGLang's registry maps this architecture tag to (srt/models/llama_eagle3.py).
 SGLANG_MTP_ARCHITECTURE = "LlamaForCausalLMEagle3"

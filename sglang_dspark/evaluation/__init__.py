@@ -13,8 +13,13 @@ static confidence-threshold sweep), ``benchmarks`` (JSONL prompts, chat template
 (the run and its command line: ``add_arguments`` / ``run``).
 """
 
-from .benchmarks import DEFAULT_BENCHMARKS, DOMAINS, default_eval_dir, load_prompts
-from .decoding import (
+from sglang_dspark.evaluation.benchmarks import (
+    DEFAULT_BENCHMARKS,
+    DOMAINS,
+    default_eval_dir,
+    load_prompts,
+)
+from sglang_dspark.evaluation.decoding import (
     CachedTarget,
     DraftProposer,
     Generation,
@@ -27,7 +32,7 @@ from .decoding import (
     target_generate,
     verify_block,
 )
-from .metrics import (
+from sglang_dspark.evaluation.metrics import (
     DEFAULT_THRESHOLDS,
     RunRecord,
     acceptance_metrics,
@@ -36,8 +41,16 @@ from .metrics import (
     threshold_sweep,
     verified_lengths,
 )
-from .report import write_calibration, write_outputs, write_plots
-from .runner import EvalConfig, add_arguments, evaluate, load_models, main, run, run_evaluation
+from sglang_dspark.evaluation.report import write_calibration, write_outputs, write_plots
+from sglang_dspark.evaluation.runner import (
+    EvalConfig,
+    add_arguments,
+    evaluate,
+    load_models,
+    main,
+    run,
+    run_evaluation,
+)
 
 __all__ = [
     "DEFAULT_BENCHMARKS",

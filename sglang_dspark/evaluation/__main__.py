@@ -1,3 +1,3 @@
-from .runner import main
+from sglang_dspark.evaluation.runner import main
 
 raise SystemExit(main())

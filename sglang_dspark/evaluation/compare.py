@@ -39,9 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from .benchmarks import DEFAULT_BENCHMARKS, default_eval_dir, encode_chat, load_prompts
-from .metrics import DEFAULT_THRESHOLDS, RunRecord, build_results
-from .report import write_outputs
+from sglang_dspark.evaluation.benchmarks import (
+    DEFAULT_BENCHMARKS,
+    default_eval_dir,
+    encode_chat,
+    load_prompts,
+)
+from sglang_dspark.evaluation.metrics import DEFAULT_THRESHOLDS, RunRecord, build_results
+from sglang_dspark.evaluation.report import write_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +151,12 @@ def load_records(path: Path, key: str) -> list[RunRecord] | None:
     if data.get("key") != key:
         return None
     return [
-        RunRecord(r["benchmark"], float(r["temperature"]), prompts=len(r["per_prompt"]),
-                  per_prompt=[(int(a), int(n)) for a, n in r["per_prompt"]])
+        RunRecord(
+            r["benchmark"],
+            float(r["temperature"]),
+            prompts=len(r["per_prompt"]),
+            per_prompt=[(int(a), int(n)) for a, n in r["per_prompt"]],
+        )
         for r in data["records"]
     ]
 
@@ -171,9 +180,7 @@ def comparison_table(
                 "benchmark": bench,
                 "prompts": len(cells[names[0]][0]),
                 "tau": {n: pooled_tau(*cells[n]) for n in names},
-                "ratio": {
-                    n: paired_ratio(cells[names[0]], cells[n], seed=seed) for n in names[1:]
-                },
+                "ratio": {n: paired_ratio(cells[names[0]], cells[n], seed=seed) for n in names[1:]},
             }
             if server is not None:
                 row["server_tau"] = {n: server.get(n, {}).get(f"{temp:g}", {}).get(bench)
@@ -248,7 +255,7 @@ def served_tau(
     request only in deterministic-inference mode, so at T > 0 the draws are the server's own.
 
     None where the server reports no verify rounds (it does not speculate)."""
-    from ..client import generate_ids
+    from sglang_dspark.serving.client import generate_ids
 
     out: dict[str, dict[str, float | None]] = {}
     for temp in temperatures:
@@ -274,9 +281,9 @@ def served_tau(
 def start_server(target: Path, arm: Arm, log_dir: Path):
     """The embedded CPU launch serving this drafter: DSPARK with the static scheduler (the
     whole block verified: the drafter's tau, not the scheduler's), or the MTP-1 arm."""
-    from ..embedded import EmbeddedPaths, launch_command, launch_env
-    from ..server import SGLangServer, free_port
-    from .runner import is_mtp_draft
+    from sglang_dspark.evaluation.runner import is_mtp_draft
+    from sglang_dspark.serving.embedded import EmbeddedPaths, launch_command, launch_env
+    from sglang_dspark.serving.server import SGLangServer, free_port
 
     mtp = is_mtp_draft(arm.path)
     paths = EmbeddedPaths(target, arm.path, True, arm.path, True)
@@ -290,7 +297,7 @@ def start_server(target: Path, arm: Arm, log_dir: Path):
 def run_comparison(args: argparse.Namespace) -> dict[str, Path]:
     from transformers import AutoTokenizer
 
-    from .runner import eos_ids, evaluate, load_models
+    from sglang_dspark.evaluation.runner import eos_ids, evaluate, load_models
 
     arms = [parse_arm(a) for a in args.draft]
     if len({a.name for a in arms}) != len(arms):
@@ -383,7 +390,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Path]:
 
 # ---------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .runner import _floats, _names
+    from sglang_dspark.evaluation.runner import _floats, _names
 
     parser.add_argument("--target", required=True, help="target model directory (HF format)")
     parser.add_argument(

@@ -67,9 +67,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         }
     if common:
         step = max(common)
-        at = {
-            label: next(r for r in recs if r["step"] == step) for label, recs in runs.items()
-        }
+        at = {label: next(r for r in recs if r["step"] == step) for label, recs in runs.items()}
         ref = next(iter(at.values()))
         out["paired"] = {
             "step": step,
@@ -121,7 +119,9 @@ def write_curves(runs: dict[str, list[dict[str, Any]]], out_dir: str | Path) -> 
         cells = []
         for label in labels:
             rec = next((r for r in runs[label] if r["step"] == step), None)
-            cells.append("" if rec is None else f"{rec['tau_estimate']:.3f} ({rec['accept'][0]:.3f})")
+            cells.append(
+                "" if rec is None else f"{rec['tau_estimate']:.3f} ({rec['accept'][0]:.3f})"
+            )
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     paired = summary.get("paired")
     if paired:

@@ -28,11 +28,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ..drafter.markov_head import sample_block
-from ..drafter.model import BlockLayout, DSparkDrafter
-from ..drafter.mtp import MtpDrafter
-from ..drafter.target import TargetAdapter
-from ..rejection import chain_rejection_sample
+from sglang_dspark.drafter.markov_head import sample_block
+from sglang_dspark.drafter.model import BlockLayout, DSparkDrafter
+from sglang_dspark.drafter.mtp import MtpDrafter
+from sglang_dspark.drafter.training.target import TargetAdapter
+from sglang_dspark.verification.rejection import chain_rejection_sample
 
 
 # ---------------------------------------------------------------------------- sampling

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .benchmarks import DOMAINS
-from .decoding import Generation
+from sglang_dspark.evaluation.benchmarks import DOMAINS
+from sglang_dspark.evaluation.decoding import Generation
 
 DEFAULT_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .metrics import RunRecord, _sigmoid
+from sglang_dspark.evaluation.metrics import RunRecord, _sigmoid
 
 
 def write_calibration(records: Sequence[RunRecord], gamma: int, path: str | Path) -> Path:

@@ -13,12 +13,21 @@ from typing import Any
 
 import torch
 
-from ..drafter.checkpoint import DraftCheckpointError, load_draft, load_mtp_draft
-from ..drafter.config import DraftConfigError
-from ..drafter.mtp import is_mtp_config
-from ..drafter.target import TargetAdapter
-from .benchmarks import DEFAULT_BENCHMARKS, default_eval_dir, encode_chat, load_prompts
-from .decoding import (
+from sglang_dspark.drafter.config import DraftConfigError
+from sglang_dspark.drafter.formats.checkpoint import (
+    DraftCheckpointError,
+    load_draft,
+    load_mtp_draft,
+)
+from sglang_dspark.drafter.mtp import is_mtp_config
+from sglang_dspark.drafter.training.target import TargetAdapter
+from sglang_dspark.evaluation.benchmarks import (
+    DEFAULT_BENCHMARKS,
+    default_eval_dir,
+    encode_chat,
+    load_prompts,
+)
+from sglang_dspark.evaluation.decoding import (
     CachedTarget,
     DraftProposer,
     MtpProposer,
@@ -26,8 +35,8 @@ from .decoding import (
     speculative_generate,
     target_generate,
 )
-from .metrics import DEFAULT_THRESHOLDS, RunRecord, build_results
-from .report import write_outputs
+from sglang_dspark.evaluation.metrics import DEFAULT_THRESHOLDS, RunRecord, build_results
+from sglang_dspark.evaluation.report import write_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +234,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated JSONL names in the eval dir (default gsm8k,humaneval,mt-bench)",
     )
     parser.add_argument(
-        "--eval-dir", default=None, help="benchmark folder ($DSPARK_EVAL_DIR, else the packaged eval sets)"
+        "--eval-dir",
+        default=None,
+        help="benchmark folder ($DSPARK_EVAL_DIR, else the packaged eval sets)",
     )
     parser.add_argument("--limit", type=int, default=10, help="prompts per benchmark (10)")
     parser.add_argument(

@@ -4,11 +4,11 @@ SGLang's accept at temperature > 0 (`dspark_verify.accept_draft_tokens`) softmax
 bs x gamma draft rows and all bs x (gamma + 1) target rows, runs the chain sampler over the
 whole block and then caps each request's accepted length at its verify window. Under
 confidence scheduling a request verifies about 3 of its 8 slots at 4 users, T=1, so most of
-those full-vocabulary passes (about 7 of the 9 ms of a CPU accept, docs/measurements.md) are
+those full-vocabulary passes (about 7 of the 9 ms of a CPU accept, docs/results.md) are
 thrown away.
 
 On CPU tensors, when the batch samples with temperatures only (no top-k / top-p, no block
-verification, no counter-based rejection noise), `sglang_dspark.rejection.chain_accept_verified`
+verification, no counter-based rejection noise), `sglang_dspark.verification.rejection.chain_accept_verified`
 takes over: it softmaxes the rows that check a draft inside the window, then one target row
 (and one draft row after a rejection) per request. The coins are drawn as SGLang draws them
 (`torch.rand` of [bs, gamma], then [bs]); greedy requests of a mixed batch keep SGLang's argmax
@@ -87,7 +87,7 @@ def _accept(
     import torch
     from sglang.kernels.ops.speculative.dspark.dspark_accept import SelectMixedAccept
 
-    from sglang_dspark import rejection
+    from sglang_dspark.verification import rejection
 
     bs = candidates.shape[0]
     device = candidates.device

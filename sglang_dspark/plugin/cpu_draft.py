@@ -133,7 +133,7 @@ def _propose(
     from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 
     from sglang_dspark.plugin.cpu_markov import stream_seed
-    from sglang_dspark.scheduler import sync_may_verify
+    from sglang_dspark.scheduling.scheduler import sync_may_verify
 
     model = proposer.draft_model
     markov = model.markov_head
@@ -263,7 +263,7 @@ def draft_vocab_path(proposer) -> str | None:
     checkpoint's own `draft_vocab/vocab.safetensors` when it ships one."""
     from pathlib import Path
 
-    from sglang_dspark.drafter.draft_vocab import FILE_NAME
+    from sglang_dspark.drafter.formats.draft_vocab import FILE_NAME
 
     raw = os.environ.get(VOCAB_ENV, "").strip()
     if raw.lower() in ("full", "0", "off", "none"):
@@ -289,7 +289,7 @@ def _draft_vocab(proposer) -> DraftVocab | None:
         return cached
     import logging
 
-    from sglang_dspark.drafter.draft_vocab import load_draft_vocab
+    from sglang_dspark.drafter.formats.draft_vocab import load_draft_vocab
 
     log = logging.getLogger(__name__)
     model = proposer.draft_model

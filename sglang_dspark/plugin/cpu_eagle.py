@@ -237,7 +237,7 @@ def tree_speculative_sampling_target_only_torch(
     bonus comes from p_t. That is chain rejection sampling with a one-hot proposal q, so it
     reuses `chain_speculative_sampling_torch` (lossless for any draft: sum_x q(x) * P(out=y |
     x) = p_t(y))."""
-    from sglang_dspark.rejection import chain_speculative_sampling_torch
+    from sglang_dspark.verification.rejection import chain_speculative_sampling_torch
 
     drafts = candidates[:, 1:].long()
     one_hot = torch.zeros(
@@ -257,7 +257,7 @@ def chain_speculative_sampling_cpu(*args, **kwargs):
     against q (chain rejection sampling, accept x with min(1, p(x)/q(x)), else resample from
     norm(max(p - q, 0))). Upstream's Triton chain kernel, as `chain_speculative_sampling_torch`
     looked up at each call."""
-    from sglang_dspark import rejection
+    from sglang_dspark.verification import rejection
 
     return rejection.chain_speculative_sampling_torch(*args, **kwargs)
 

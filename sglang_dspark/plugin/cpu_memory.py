@@ -29,7 +29,7 @@ oneDNN's at 16). A probe of 6000 bf16 matmuls at random M in 1..700 grew 324 MB 
 defaults, 199 / 174 MB with one cache at 16, 19 MB with both. When argument resolution
 reaches the CPU backends with the device `cpu`, the launcher sets each variable that is unset
 to 16, before any SGLang process starts (they inherit them; both are read once, at the first
-matmul). An explicit value is kept. Recorded in docs/measurements.md (paired soaks).
+matmul). An explicit value is kept. Recorded in docs/results.md (paired soaks).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 SGLang's DSPARK accept path (`dspark_accept._accept_sampling_core`) always calls the Triton
 kernel `chain_speculative_sampling_triton`, which has no CPU driver. We swap in
-`sglang_dspark.rejection.chain_speculative_sampling_torch` (same signature, buffers and random
+`sglang_dspark.verification.rejection.chain_speculative_sampling_torch` (same signature, buffers and random
 coins) for CPU tensors; CUDA tensors keep the Triton kernel.
 
 The negative controls of the losslessness tests (a sampler broken on purpose) are not here:
@@ -18,7 +18,7 @@ TARGET = "sglang.kernels.ops.speculative.dspark.dspark_accept.chain_speculative_
 
 
 def _dispatch(original, *args, **kwargs):
-    from sglang_dspark.rejection import chain_speculative_sampling_torch
+    from sglang_dspark.verification.rejection import chain_speculative_sampling_torch
 
     candidates = kwargs.get("candidates", args[3] if len(args) > 3 else None)
     if candidates is not None and candidates.device.type == "cpu":

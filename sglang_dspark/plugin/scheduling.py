@@ -6,7 +6,7 @@
 - `async`:  upstream's asynchronous planner (`compact` verify; capacity K from the
   confidences of two steps earlier, top-K of the current survivals).
 - `sync`:   Algorithm 1 with its early stop on the CURRENT step's confidences
-  (`sglang_dspark.scheduler.schedule_sync`). SGLang is handed its per-request lengths
+  (`sglang_dspark.scheduling.scheduler.schedule_sync`). SGLang is handed its per-request lengths
   themselves, not a budget for its own top-K kernel to re-derive lengths from (that kernel
   works in float32 with its own `survival_eps` and tie order). The overlap scheduler is
   turned off, so the confidences read are this step's.
@@ -15,7 +15,7 @@ Unset, a DSPARK launch gets its device's default (`DEFAULT_MODES`, `default_mode
 `SGLANG_RAGGED_VERIFY_MODE` is set: then SGLang behaves as upstream in that mode.
 
 - CPU: `sync`. Algorithm 1 on the current step's confidences, overlap scheduling off; on the
-  embedded CPU default it was the fastest mode measured (docs/measurements.md), and a CPU
+  embedded CPU default it was the fastest mode measured (docs/results.md), and a CPU
   server gains nothing from overlap (the host does the GPU's work too).
 - CUDA (and any other accelerator): `async`, upstream's planner, which keeps SGLang's overlap
   scheduler on, as the chart's GPU profiles have it. `sync` only when asked.
@@ -40,7 +40,7 @@ Hooks:
 - `dspark_sps_startup`: with a scheduling mode and no `--speculative-dspark-sps-table-path`,
   the round's cost (SGLang's additive table: the target's own verify forward by batch tokens,
   the DSpark draft pass by requests) is profiled at start-up and cached on disk
-  (sglang_dspark.sps); `SGLANG_DSPARK_SPS_PROFILE=0` keeps upstream's flat table. Under
+  (sglang_dspark.scheduling.sps); `SGLANG_DSPARK_SPS_PROFILE=0` keeps upstream's flat table. Under
   tensor parallelism every rank runs the profile's forwards, rank 0's cache read and timings
   are broadcast over the TP CPU group, so every rank schedules with one table.
 """
@@ -171,7 +171,7 @@ def _compute_budget_sync(
     from sglang.srt.runtime_context import get_schedule
     from sglang.srt.speculative.dspark_components.dspark_planner import VerifyBudgetDecision
 
-    from sglang_dspark.scheduler import expected_throughput, schedule_sync
+    from sglang_dspark.scheduling.scheduler import expected_throughput, schedule_sync
 
     try:
         overlap = not get_schedule().disable_overlap_schedule
@@ -296,7 +296,7 @@ def sps_key_for(model_runner, *, verify_num_draft_tokens: int, max_requests: int
     import sglang
     import torch
 
-    from sglang_dspark import sps
+    from sglang_dspark.scheduling import sps
 
     sa = model_runner.server_args
     return sps.SpsKey(
@@ -337,7 +337,7 @@ def _build_sps_table(original, *, verify_num_draft_tokens):
         or os.environ.get("SGLANG_DSPARK_SPS_PROFILE", "1") == "0"
     ):
         return original(verify_num_draft_tokens=verify_num_draft_tokens)
-    from sglang_dspark import sps
+    from sglang_dspark.scheduling import sps
 
     max_requests = int(get_schedule().max_running_requests or 1)
     key = sps_key_for(
@@ -367,7 +367,7 @@ def _build_sps_table(original, *, verify_num_draft_tokens):
 def _profile_after_graphs(result, model_runner, *args, **kwargs):
     """Target runner: time the verify sweep, install the verify-only table. Draft runner (next):
     time the draft pass, install and cache the full table."""
-    from sglang_dspark import sps
+    from sglang_dspark.scheduling import sps
 
     if getattr(model_runner, "is_draft_worker", False):
         jobs = [j for j in _pending if "verify" in j]
@@ -395,7 +395,7 @@ def _profile_after_graphs(result, model_runner, *args, **kwargs):
 def _finish_with_draft(job: dict, draft_runner) -> None:
     from sglang.srt.environ import envs
 
-    from sglang_dspark import sps
+    from sglang_dspark.scheduling import sps
 
     _pending.remove(job)
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ tensor `schedule_layout` was given), the verify lengths of the layout the target
 accepted, the budget, the graph tier, and the wall-clock time the step ended. It is the ground truth behind two things:
 
 - the verify-length equality test (`tests/test_scheduling_serving.py`): the server's lengths
-  against `sglang_dspark.scheduler.schedule_sync` on the same confidences and SPS table;
+  against `sglang_dspark.scheduling.scheduler.schedule_sync` on the same confidences and SPS table;
 - the verify window per request against concurrency (the paper's Figure 8,
   `benchmarks/serving.py`'s `verify_budget.png`).
 

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_dspark.cache import cache_dir
+from sglang_dspark.serving.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -664,7 +664,7 @@ def build_tiny_v4(
     if state.kind in ("stale", "other"):
         logger.warning("Rebuilding %s: %s", out, state.reason)
     if tokenizer_dir is None:
-        from sglang_dspark.smollm2 import ensure_smollm2
+        from sglang_dspark.serving.smollm2 import ensure_smollm2
 
         tokenizer_dir = ensure_smollm2()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ tests put the folder on their PYTHONPATH (``server_env``). In-process tests call
 variable.
 
 - ``SGLANG_DSPARK_TEST_BREAK_SAMPLER=MODE`` breaks every CPU verification. Modes
-  (``sglang_dspark.rejection.BROKEN_MODES``): ``accept_all`` (every draft kept),
+  (``sglang_dspark.verification.rejection.BROKEN_MODES``): ``accept_all`` (every draft kept),
   ``no_renorm`` (the replacement drawn from max(0, p_t - p_d) without renormalising),
   ``bonus_from_draft`` (the bonus token from the last draft distribution), ``ratio_scaled[:C]``
   (acceptance ratio times C, 1.3 by default). An unknown mode raises at the first verification.
@@ -31,7 +31,7 @@ FILE_ENV = "SGLANG_DSPARK_TEST_BREAK_SAMPLER_FILE"
 def broken_sampler_mode() -> str | None:
     """The mode asked for now (the file, read now, wins over the variable), validated
     (ValueError names the valid modes)."""
-    from sglang_dspark.rejection import parse_broken_mode
+    from sglang_dspark.verification.rejection import parse_broken_mode
 
     mode = os.environ.get(MODE_ENV) or None
     path = os.environ.get(FILE_ENV)
@@ -49,7 +49,7 @@ def install() -> None:
     (``rejection.chain_accept_verified``), and the chain sampler that DSPARK's accept falls
     back to and the EAGLE/MTP-1 target-only sampler both call
     (``rejection.chain_speculative_sampling_torch``)."""
-    from sglang_dspark import rejection
+    from sglang_dspark.verification import rejection
 
     for name in ("chain_speculative_sampling_torch", "chain_accept_verified"):
         honest = getattr(rejection, name)

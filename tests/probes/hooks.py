@@ -365,7 +365,7 @@ def dspark_sync_scheduler():
         HostConfidenceBudgetPlanner,
     )
 
-    from sglang_dspark.scheduler import schedule_sync
+    from sglang_dspark.scheduling.scheduler import schedule_sync
 
     # 1. The budget. SPS falls off a cliff at 4 tokens, then recovers: the unconstrained
     # argmax jumps the cliff, Algorithm 1 stops before it. Current confidences, no lag.
@@ -411,7 +411,7 @@ def cpu_verified_rows_accept():
     from sglang.srt.speculative.dspark_components import dspark_verify
     from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockResult
 
-    from sglang_dspark import rejection
+    from sglang_dspark.verification import rejection
 
     bs, gamma, vocab = 2, 3, 40
     gen = torch.Generator().manual_seed(0)
@@ -487,7 +487,7 @@ def cpu_draft_until_verifiable():
     )
     from sglang.srt.speculative.dspark_components.dspark_planner import DSparkScheduleConfig
 
-    from sglang_dspark.scheduler import schedule_sync
+    from sglang_dspark.scheduling.scheduler import schedule_sync
 
     bs, gamma, hidden, vocab = 2, 7, 16, 40
     torch.manual_seed(0)
@@ -533,8 +533,8 @@ def dspark_sps_startup():
     from sglang.srt.runtime_context import get_context
     from sglang.srt.speculative.dspark_components import dspark_planner
 
-    from sglang_dspark import sps
     from sglang_dspark.plugin import scheduling
+    from sglang_dspark.scheduling import sps
 
     os.environ["DSPARK_CACHE_DIR"] = tempfile.mkdtemp()
     runner = SimpleNamespace(

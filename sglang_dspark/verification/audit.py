@@ -23,7 +23,7 @@ speculation (same weights, same dtype). It passes only when all three parts pass
    token outside the reference's top-5 is never a near-tie.
 3. Temperature 1: many short continuations from both; per prompt a chi-square test of
    homogeneity of the token at each generated position and one of the joint category of the
-   first `--joint-tokens` tokens (sglang_dspark.losslessness), at a family-wise false-alarm
+   first `--joint-tokens` tokens (sglang_dspark.verification.losslessness), at a family-wise false-alarm
    rate `--alpha`. The summary states the power: the smallest total-variation shift each kind
    of test detects with probability 0.8 at the sample size used.
 
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_dspark.losslessness import compare_samples
+from sglang_dspark.verification.losslessness import compare_samples
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -382,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {args.url} runs speculative_algorithm={info.get('speculative_algorithm')}")
     from transformers import AutoTokenizer
 
-    from sglang_dspark.client import chat_prompt_ids
+    from sglang_dspark.serving.client import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or _tokenizer_path(args.reference_url))
     prompt_ids = [chat_prompt_ids(tok, t) for t in texts]

@@ -1,7 +1,7 @@
 """Pareto curves from load-test summaries: the DSpark paper's Figures 7 and 8.
 
     sglang-dspark pareto runs/no-spec runs/mtp1 runs/dspark-sync --out plots \\
-        --arm dspark-sync --baseline mtp1     # or: python -m sglang_dspark.pareto ...
+        --arm dspark-sync --baseline mtp1     # or: python -m sglang_dspark.measurement.pareto ...
 
 Each input is an ``sla_summary.json`` written by ``locust -f loadtest/sla.py`` (or a directory
 holding one or more); each is one arm, named by its label (``SLA_LABEL``) or ``--label``.
@@ -54,7 +54,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from sglang_dspark.loadmetrics import load_report
+from sglang_dspark.measurement.loadmetrics import load_report
 
 METHOD = (
     "Frontier: the points of an arm not dominated in both tok/s/user (x) and aggregate output "

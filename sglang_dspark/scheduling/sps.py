@@ -60,7 +60,7 @@ from sglang.srt.speculative.dspark_components.dspark_sps import (
     SpsCostTable,
 )
 
-from sglang_dspark.cache import cache_dir
+from sglang_dspark.serving.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -632,8 +632,8 @@ def _profile_with_embedded_server(args) -> int:
     import shutil
     import tempfile
 
-    from sglang_dspark import embedded
-    from sglang_dspark.server import SGLangServer, free_port
+    from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.server import SGLangServer, free_port
 
     paths = embedded.ensure(dtype=args.dtype)
     if args.force:

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .config import DraftConfigError
-from .target import TargetAdapter, TargetFeatures
+from sglang_dspark.drafter.config import DraftConfigError
+from sglang_dspark.drafter.training.target import TargetAdapter, TargetFeatures
 
 
 def v4_layer_id_problems(target_layer_ids: Sequence[int], num_layers: int) -> list[str]:

@@ -138,7 +138,7 @@ def run(args) -> int:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from sglang_dspark.drafter.data import load_sequences
+    from sglang_dspark.drafter.training.data import load_sequences
 
     vocab = int(AutoConfig.from_pretrained(args.target).vocab_size)
     tok = AutoTokenizer.from_pretrained(args.target)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DraftConfigError
+from sglang_dspark.drafter.config import DraftConfigError
 
 
 @dataclass

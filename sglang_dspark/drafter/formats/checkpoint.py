@@ -35,11 +35,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import DraftConfigError, DSparkDraftConfig, _as_dict, validate_draft_for_target
-from .model import DSparkDrafter, init_weights
-from .mtp import SGLANG_MTP_ARCHITECTURE as MTP_ARCHITECTURE
-from .mtp import MtpDraftConfig, MtpDrafter, is_mtp_config
-from .target import load_target_config
+from sglang_dspark.drafter.config import (
+    DraftConfigError,
+    DSparkDraftConfig,
+    _as_dict,
+    validate_draft_for_target,
+)
+from sglang_dspark.drafter.model import DSparkDrafter, init_weights
+from sglang_dspark.drafter.mtp import SGLANG_MTP_ARCHITECTURE as MTP_ARCHITECTURE
+from sglang_dspark.drafter.mtp import MtpDraftConfig, MtpDrafter, is_mtp_config
+from sglang_dspark.drafter.training.target import load_target_config
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_dspark.cache import cache_dir
+from sglang_dspark.serving.cache import cache_dir
 
 # The drafter this project trained for SmolLM2 (see its README for the command and seed).
-SHIPPED_DRAFT = Path(__file__).resolve().parent / "assets" / "smollm2-dspark"
+SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "assets" / "smollm2-dspark"
 # Its MTP-1 baseline: one NextN-style block, trained by the same trainer (see its README).
-SHIPPED_MTP1_DRAFT = Path(__file__).resolve().parent / "assets" / "smollm2-mtp1"
+SHIPPED_MTP1_DRAFT = Path(__file__).resolve().parents[1] / "assets" / "smollm2-mtp1"
 ARMS = ("dspark", "mtp1", "plain")
 MTP1_ARGS = (
     "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1",
@@ -65,19 +65,19 @@ def ensure(dtype: str = "bfloat16") -> EmbeddedPaths:
     """Convert SmolLM2 once and pick each drafter: the shipped trained one, else a random one."""
     import torch
 
-    from sglang_dspark.smollm2 import ensure_smollm2
+    from sglang_dspark.serving.smollm2 import ensure_smollm2
 
     target = ensure_smollm2(dtype=dtype)
     draft, trained = SHIPPED_DRAFT, True
     if not (SHIPPED_DRAFT / "config.json").exists():
-        from sglang_dspark.drafter.checkpoint import init_random_draft
+        from sglang_dspark.drafter.formats.checkpoint import init_random_draft
 
         draft, trained = random_draft_dir(), False
         if not (draft / "config.json").exists():
             init_random_draft(target, draft, seed=0, dtype=getattr(torch, dtype))
     mtp1, mtp1_trained = SHIPPED_MTP1_DRAFT, True
     if not (SHIPPED_MTP1_DRAFT / "config.json").exists():
-        from sglang_dspark.drafter.checkpoint import init_random_mtp_draft
+        from sglang_dspark.drafter.formats.checkpoint import init_random_mtp_draft
 
         mtp1, mtp1_trained = random_mtp1_draft_dir(), False
         if not (mtp1 / "config.json").exists():

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import DraftConfigError, layer_id_problems
+from sglang_dspark.drafter.config import DraftConfigError, layer_id_problems
 
 logger = logging.getLogger(__name__)
 

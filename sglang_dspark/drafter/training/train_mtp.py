@@ -29,13 +29,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import load_mtp_draft, save_mtp_draft
-from .config import DraftConfigError
-from .data import TokenSequence, _stable_seed, anchor_candidates, load_sequences
-from .loss import LossSums, loss_sums
-from .mtp import MtpDraftConfig, MtpDrafter
-from .target import TargetFeatures, pad_right
-from .train import _EVAL_INDEX, Trainer, to_device
+from sglang_dspark.drafter.config import DraftConfigError
+from sglang_dspark.drafter.formats.checkpoint import load_mtp_draft, save_mtp_draft
+from sglang_dspark.drafter.mtp import MtpDraftConfig, MtpDrafter
+from sglang_dspark.drafter.training.batches import _EVAL_INDEX
+from sglang_dspark.drafter.training.data import (
+    TokenSequence,
+    _stable_seed,
+    anchor_candidates,
+    load_sequences,
+)
+from sglang_dspark.drafter.training.loss import LossSums, loss_sums
+from sglang_dspark.drafter.training.runtime import to_device
+from sglang_dspark.drafter.training.target import TargetFeatures, pad_right
+from sglang_dspark.drafter.training.train import Trainer
 
 MtpPlan = list[tuple[TokenSequence, torch.Tensor]]  # (sequence, sorted supervised positions i)
 

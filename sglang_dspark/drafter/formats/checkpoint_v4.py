@@ -38,11 +38,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from sglang_dspark.drafter.config import DraftConfigError
+from sglang_dspark.drafter.dspark_v4 import DSparkV4Drafter, V4DraftConfig, is_v4_config
+from sglang_dspark.drafter.formats.checkpoint import DraftCheckpointError, read_safetensors
 from sglang_dspark.v4.tiny import from_deepseek_names, storage_dtype, to_draft_stage_names
-
-from .checkpoint import DraftCheckpointError, read_safetensors
-from .config import DraftConfigError
-from .dspark_v4 import DSparkV4Drafter, V4DraftConfig, is_v4_config
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Load-test measurements: per-request samples, stage windows and the per-stage summary.
 
 Pure standard library, no Locust and no gevent: `loadtest/sla.py` (the Locust glue) records
-samples with it, `sglang_dspark.pareto` reads the summaries it writes, and the tests exercise
+samples with it, `sglang_dspark.measurement.pareto` reads the summaries it writes, and the tests exercise
 it on synthetic streams. The file is also usable on its own next to `sla.py` (no imports from
 the rest of the package).
 

@@ -75,7 +75,9 @@ class SGLangServer:
                 pass
             time.sleep(2)
         self.stop()
-        raise ServerStartError(f"SGLang did not become healthy in {timeout:.0f} s:\n" + self.log_tail())
+        raise ServerStartError(
+            f"SGLang did not become healthy in {timeout:.0f} s:\n" + self.log_tail()
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -32,12 +32,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint_v4 import load_v4_draft, save_v4_draft
-from .config import DraftConfigError
-from .dspark_v4 import DSparkV4Drafter, V4DraftConfig, init_v4_weights
-from .feature_store import FeatureStore, store_key
-from .target_v4 import V4TargetAdapter
-from .train import Trainer, copy_target_layers, disable_markov_bias
+from sglang_dspark.drafter.config import DraftConfigError
+from sglang_dspark.drafter.dspark_v4 import DSparkV4Drafter, V4DraftConfig, init_v4_weights
+from sglang_dspark.drafter.formats.checkpoint_v4 import load_v4_draft, save_v4_draft
+from sglang_dspark.drafter.training.feature_store import FeatureStore, store_key
+from sglang_dspark.drafter.training.growth import copy_target_layers, disable_markov_bias
+from sglang_dspark.drafter.training.target_v4 import V4TargetAdapter
+from sglang_dspark.drafter.training.train import Trainer
 
 logger = logging.getLogger(__name__)
 

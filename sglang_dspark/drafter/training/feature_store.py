@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .target import TargetFeatures
+from sglang_dspark.drafter.training.target import TargetFeatures
 
 logger = logging.getLogger(__name__)
 

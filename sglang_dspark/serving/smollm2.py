@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from sglang_dspark.cache import cache_dir
+from sglang_dspark.serving.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,5 @@ def ensure_smollm2(
 def _write_generation_config(path: Path, tokenizer) -> None:
     gen = path / "generation_config.json"
     cfg = json.loads(gen.read_text()) if gen.exists() else {}
-    cfg.update(
-        {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    )
+    cfg.update({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id})
     gen.write_text(json.dumps(cfg, indent=2))

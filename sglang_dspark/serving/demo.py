@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sglang_dspark import embedded
-    from sglang_dspark.server import SGLangServer
+    from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.server import SGLangServer
 
     paths = embedded.ensure(dtype=args.dtype)
     kind = "trained (shipped)" if paths.draft_is_trained else "random (placeholder)"

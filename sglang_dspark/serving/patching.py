@@ -31,7 +31,7 @@ class PatchStatus:
 
 
 def patches_dir() -> Path:
-    here = Path(__file__).resolve().parent / "patches"
+    here = Path(__file__).resolve().parents[1] / "patches"
     if not here.is_dir():
         raise FileNotFoundError(f"patch directory {here} is missing; reinstall sglang-dspark")
     return here
