@@ -38,6 +38,7 @@ UPSTREAM_FAILURE = {
     "cpu_sampled_markov_step": "Philox noise drawn in torch for a sampled CPU step",
     "cpu_verified_rows_accept": "rows past the verify window were read",
     "cpu_draft_until_verifiable": "the Markov head stepped 14 rows, 2 are verified",
+    "cpu_plain_rounds": "the draft forward ran for a round the policy made plain",
     "dspark_scheduler_mode": "only supports CUDA, NPU or XPU",  # never reaches a check
     "dspark_sync_scheduler": "budget 8, Algorithm 1 on the current confidences: 1",
     "dspark_sps_startup": "is not the profiled one (flat: scheduling off)",

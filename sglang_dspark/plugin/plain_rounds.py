@@ -207,11 +207,10 @@ def plain_proposal(proposer, *, draft_input, bs, device, sampling_info, anchor_p
     params = resolve_draft_params(sampling_info=sampling_info, bs=bs, device=device)
     greedy = bool(proposer._greedy_draft)
     model = proposer.draft_model
-    dtype = model.lm_head.weight.dtype
     logits = None
     if not greedy:  # never read (no draft row is verified); a view, no allocation
         vocab = int(model.markov_head.vocab_size)
-        logits = torch.zeros((1, 1, vocab), dtype=dtype, device=device).expand(bs, gamma, vocab)
+        logits = torch.zeros((1, 1, vocab), device=device).expand(bs, gamma, vocab)
         proposer.noise.offset.add_(1)  # one block drawn, as a drafted round counts
     confidence = torch.zeros((bs, gamma), dtype=torch.float32, device=device)
     raw_dtype = model.confidence_head.proj.weight.dtype

@@ -527,6 +527,64 @@ def cpu_draft_until_verifiable():
 
 
 @probe
+def cpu_plain_rounds():
+    """A sampled sync step of 2 requests that the plain-round policy made plain (what the hook on
+    `_forward_decode` sets before the draft pass): no draft forward, no drafts, every
+    confidence 0, so the sync scheduler verifies the anchor alone."""
+    from sglang.srt.speculative.dspark_components.dspark_draft import (
+        DraftBlockProposer,
+        DraftNoise,
+    )
+    from sglang.srt.speculative.dspark_components.dspark_planner import DSparkScheduleConfig
+
+    from sglang_dspark.scheduling.scheduler import schedule_sync
+
+    bs, gamma, hidden, vocab = 2, 7, 16, 40
+    torch.manual_seed(0)
+    model = _ProbeDraft(hidden, vocab)
+    raw = torch.randn(bs * gamma, hidden)
+    ids = torch.zeros(bs, gamma, dtype=torch.long)
+    forwards = []
+
+    def run_forward(**kw):
+        forwards.append(1)
+        ids[:, 0] = kw["draft_input"].bonus_tokens
+        return SimpleNamespace(draft_block_ids=ids, raw_hidden=raw,
+                               draft_hidden_3d=raw.view(bs, gamma, -1), can_run_graph=False)  # fmt: skip
+
+    table = _sps_table(list(range(1, 65)), [1.0 / (0.05 + 0.01 * b) for b in range(1, 65)])
+    noise = DraftNoise(key=7, offset=torch.zeros(1, dtype=torch.int64))
+    proposer = SimpleNamespace(
+        draft_model=model, gamma=gamma, sample_from_anchor=True, _draft_sampler=None,
+        _greedy_draft=False, _noise=noise, noise=noise, deferred_commit=None,
+        _tp_sync=SimpleNamespace(sync=lambda site, x: x),
+        _base_logits_context=contextlib.nullcontext, _run_forward=run_forward,
+        draft_block_ids_view=lambda bs, device: ids,
+        _dspark_plain_wanted=True,
+        _dspark_verify_planner=SimpleNamespace(_budget_planner=SimpleNamespace(
+            sps_table=table, cfg=DSparkScheduleConfig(gamma=gamma), forced_budget_frac=None)),
+    )  # fmt: skip
+    target = SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(vocab, hidden))
+    info = SimpleNamespace(is_all_greedy=False, is_any_greedy=False, need_top_k_sampling=False,
+                           need_top_p_sampling=False, temperatures=torch.ones(bs, 1),
+                           top_ks=torch.zeros(bs, dtype=torch.int32),
+                           top_ps=torch.ones(bs), min_ps=torch.zeros(bs))  # fmt: skip
+    os.environ["SGLANG_DSPARK_SCHEDULER"] = "sync"
+    try:
+        with torch.inference_mode():
+            proposal = DraftBlockProposer.propose(
+                proposer, batch=None, draft_input=SimpleNamespace(bonus_tokens=torch.tensor([3, 5])),
+                verify_window=None, bs=bs, device="cpu", target_model=target,
+                sampling_info=info,
+            )  # fmt: skip
+    finally:
+        os.environ.pop("SGLANG_DSPARK_SCHEDULER", None)
+    assert not forwards, "the draft forward ran for a round the policy made plain"
+    assert proposal.draft_block_ids[:, 0].tolist() == [3, 5]
+    assert int(schedule_sync(proposal.confidence.double(), table).max()) == 0
+
+
+@probe
 def dspark_sps_startup():
     import tempfile
 
