@@ -143,6 +143,35 @@ def test_indexer_query_matches_reference(request):
 
 
 @direct
+def test_padding_position_reads_the_tables_last_row(request):
+    """A row at position -1 (padding): the references' torch indexing ropes it with the
+    table's last row; the Triton route must too (the kernels alone read before the table:
+    other bytes on every run). Same bytes as the reference on every row, twice."""
+    torch.manual_seed(3)
+    freqs, positions = freqs_cis(16), torch.tensor([0, -1, 5, -1])
+    kv, weight = torch.randn(4, 512).bfloat16(), torch.rand(512) + 0.5
+    q, head_weight = torch.randn(4, 8, 128).bfloat16(), torch.randn(4, 8).bfloat16()
+    loc = torch.tensor([1, 2, 3, 4])
+    want = new_v4_cache(1, 256)
+    v4_cpu_norm_rope.swa_kv_store(kv, weight, 1e-6, freqs, positions, loc, want, 256,
+                                  kernels="reference")  # fmt: skip
+    want_q, want_w = v4_cpu_norm_rope.indexer_query_fp8(q, head_weight, 0.03, freqs, positions,
+                                                        kernels="reference")  # fmt: skip
+    request.getfixturevalue("no_references")
+    for _ in range(2):
+        got = new_v4_cache(1, 256, device=DEVICE)
+        v4_cpu_norm_rope.swa_kv_store(*on_device(kv, weight), 1e-6,
+                                      *on_device(freqs, positions, loc), got, 256,
+                                      kernels="triton")  # fmt: skip
+        assert torch.equal(got.cpu(), want)
+        got_q, got_w = v4_cpu_norm_rope.indexer_query_fp8(*on_device(q, head_weight), 0.03,
+                                                          *on_device(freqs, positions),
+                                                          kernels="triton")  # fmt: skip
+        assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(got_w.cpu(), want_w)
+
+
+@direct
 def test_hooks_follow_the_variable(switch):
     """The hooks' own entry points read the variable: the same bytes either way."""
     torch.manual_seed(2)

@@ -75,6 +75,13 @@ def _rope_inplace(original, q, k, freqs_cis, positions, inverse=False):
         rope_pairs_(k, freqs_cis, positions, inverse)
 
 
+def table_positions(positions: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """`positions` as rows of `freqs_cis`, negative ones counted from its end, as the references'
+    torch indexing reads them (a padding row's position -1: the table's last row). The Triton
+    kernels take a position as a row offset: -1 would read before the table."""
+    return torch.where(positions < 0, positions + freqs_cis.shape[0], positions)
+
+
 def swa_kv_store(kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache, page_size,
                  kernels: str | None = None) -> None:  # fmt: skip
     """`fused_k_norm_rope_flashmla` (V4 layout) by `dspark_kernels`: the reference, or the
@@ -86,6 +93,7 @@ def swa_kv_store(kv, kv_weight, eps, freqs_cis, positions, out_loc, kvcache, pag
             v4_kernels.require_interpreter()
         kv = kv if kv.stride(-1) == 1 else kv.contiguous()
         pages = kvcache.view(-1, kvcache.shape[-1])
+        positions = table_positions(positions, freqs_cis)
         kv_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, out_loc, pages, page_size)
     else:
         from dspark_kernels.kv_store import kv_norm_rope_store_reference
@@ -104,6 +112,7 @@ def indexer_query_fp8(q_input, weight, weight_scale, freqs_cis, positions,
 
         if q_input.device.type == "cpu":
             v4_kernels.require_interpreter()
+        positions = table_positions(positions, freqs_cis)
         return indexer_query(
             q_input.contiguous(), weight.contiguous(), weight_scale, freqs_cis, positions
         )
