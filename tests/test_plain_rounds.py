@@ -3,6 +3,8 @@ plainly while it does not, and probes the other mode now and then (fake clock, f
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from sglang_dspark.plugin import plain_rounds
@@ -99,3 +101,37 @@ def test_a_bad_mode_names_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv(plain_rounds.MODE_ENV, "sometimes")
     with pytest.raises(ValueError, match="SGLANG_DSPARK_PLAIN_ROUNDS='sometimes'.*auto, off"):
         plain_rounds.mode()
+
+
+def test_plain_rounds_need_compact_verify_and_stay_exact_if_filler_is_verified():
+    """Only a `compact` step verifies what the scheduler asks for (a static step verifies every
+    slot): elsewhere no round is made plain. Were a filler draft verified anyway, its proposal is
+    the point mass it was drawn from, so the accept stays exact."""
+    import torch
+    from sglang.srt.speculative.dspark_components.dspark_draft import DraftNoise
+
+    assert not plain_rounds.compact_verify(None)
+    assert not plain_rounds.compact_verify(SimpleNamespace(is_compact_mode=False))
+    assert plain_rounds.compact_verify(SimpleNamespace(is_compact_mode=True))
+    bs, gamma, vocab = 2, 5, 11
+    ids = torch.zeros(bs, gamma + 1, dtype=torch.long)
+    model = SimpleNamespace(
+        markov_head=SimpleNamespace(vocab_size=vocab),
+        confidence_head=SimpleNamespace(proj=torch.nn.Linear(4, 1).to(torch.bfloat16)),
+    )
+    proposer = SimpleNamespace(
+        gamma=gamma, draft_model=model, sample_from_anchor=False, _greedy_draft=False,
+        noise=DraftNoise(key=1, offset=torch.zeros(1, dtype=torch.int64)),
+        draft_block_ids_view=lambda bs, device: ids,
+    )  # fmt: skip
+    info = SimpleNamespace(is_all_greedy=False, temperatures=torch.ones(bs, 1),
+                           top_ks=torch.zeros(bs, dtype=torch.int32))  # fmt: skip
+    proposal = plain_rounds.plain_proposal(
+        proposer, draft_input=SimpleNamespace(bonus_tokens=torch.tensor([4, 7])), bs=bs,
+        device="cpu", sampling_info=info, anchor_prepared=False,
+    )  # fmt: skip
+    assert ids[:, 0].tolist() == [4, 7] and proposer._dspark_plain_done
+    assert proposal.confidence.eq(0).all() and proposal.draft_block.draft_tokens.eq(0).all()
+    q = torch.softmax(proposal.draft_block.corrected_logits.float(), -1)
+    assert q[..., 0].eq(1).all()
+    assert int(proposer.noise.offset) == 1

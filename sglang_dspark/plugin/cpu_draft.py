@@ -115,6 +115,7 @@ def _propose(
 
     if (
         plain_rounds.wanted(proposer)
+        and plain_rounds.compact_verify(getattr(proposer, PLANNER_ATTR, None))
         and int(budget.cfg.min_verify_len) <= 1
         and getattr(proposer, "deferred_commit", None) is None
     ):

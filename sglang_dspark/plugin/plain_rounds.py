@@ -190,6 +190,12 @@ def wanted(proposer) -> bool:
     return bool(getattr(proposer, "_dspark_plain_wanted", False))
 
 
+def compact_verify(planner) -> bool:
+    """Whether the step verifies only what the scheduler asks for (`compact`): only then is a
+    round without drafts a plain decode step rather than a verify of filler tokens."""
+    return planner is not None and bool(getattr(planner, "is_compact_mode", False))
+
+
 def plain_proposal(proposer, *, draft_input, bs, device, sampling_info, anchor_prepared):
     """The draft pass of a plain round: the anchor only, no drafts (confidence 0 everywhere,
     so the sync scheduler verifies the anchor alone), nothing computed."""
@@ -208,9 +214,14 @@ def plain_proposal(proposer, *, draft_input, bs, device, sampling_info, anchor_p
     greedy = bool(proposer._greedy_draft)
     model = proposer.draft_model
     logits = None
-    if not greedy:  # never read (no draft row is verified); a view, no allocation
+    if not greedy:  # a view, no allocation
+        # Not read when the verify stops at the anchor. Were a filler draft (token 0) ever
+        # verified, its proposal is the point mass on it, which it was drawn from: the accept
+        # stays exact (kept with probability p(0), else a draw from the residual).
         vocab = int(model.markov_head.vocab_size)
-        logits = torch.zeros((1, 1, vocab), device=device).expand(bs, gamma, vocab)
+        row = torch.zeros((1, 1, vocab), device=device)
+        row[..., 0] = 1e4
+        logits = row.expand(bs, gamma, vocab)
         proposer.noise.offset.add_(1)  # one block drawn, as a drafted round counts
     confidence = torch.zeros((bs, gamma), dtype=torch.float32, device=device)
     raw_dtype = model.confidence_head.proj.weight.dtype

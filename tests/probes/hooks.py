@@ -561,7 +561,7 @@ def cpu_plain_rounds():
         _base_logits_context=contextlib.nullcontext, _run_forward=run_forward,
         draft_block_ids_view=lambda bs, device: ids,
         _dspark_plain_wanted=True,
-        _dspark_verify_planner=SimpleNamespace(_budget_planner=SimpleNamespace(
+        _dspark_verify_planner=SimpleNamespace(is_compact_mode=True, _budget_planner=SimpleNamespace(
             sps_table=table, cfg=DSparkScheduleConfig(gamma=gamma), forced_budget_frac=None)),
     )  # fmt: skip
     target = SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(vocab, hidden))
