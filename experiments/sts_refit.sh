@@ -2,6 +2,8 @@
 # STS refit on temperature-1 blocks (the headline serving temperature), with its held-out report.
 #
 #   experiments/sts_refit.sh OUT_DIR        (about 20 min on 2 idle cores)
+#   DRAFT=DIR DATA=recipes/data/smollm2-regen-t07 experiments/sts_refit.sh OUT_DIR
+#       (a new drafter; the prompt ids of the data it was trained on left out too)
 #
 # Fit: 128 training-style prompts the drafter never trained on (`data prompts --seed 7`, the
 # drafter's training prompt ids left out), 64 new tokens each, sampled at T=1 by the embedded
@@ -16,6 +18,8 @@ OUT=${1:?usage: experiments/sts_refit.sh OUT_DIR}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${BIN:-$REPO/.venv/bin}
 SHIPPED=$REPO/sglang_dspark/assets/smollm2-dspark/sts.json
+DRAFT=${DRAFT:-}  # a drafter directory to calibrate (default: the embedded one)
+DATA=${DATA:-}    # training data directories whose prompt ids are left out too (space-separated)
 mkdir -p "$OUT"
 
 # The drafter's training prompts (assets/smollm2-dspark/README.md), for their ids only.
@@ -23,17 +27,19 @@ mkdir -p "$OUT"
 "$BIN/sglang-dspark" data prompts --out "$OUT/train-w.jsonl" --per-domain 640 --seed 0 --domains writing
 "$BIN/sglang-dspark" data prompts --out "$OUT/train-b.jsonl" --per-domain 400 --seed 1
 SKIP=("$OUT/train-a.jsonl" "$OUT/train-w.jsonl" "$OUT/train-b.jsonl")
+for d in $DATA; do SKIP+=("$d"/*.jsonl*); done
 
 # 150 candidates per domain; collect_sts.py keeps the first unseen ones, in file order.
 "$BIN/sglang-dspark" data prompts --out "$OUT/pool.jsonl" --per-domain 150 --seed 7 \
     --domains code,chat,math,writing
 "$BIN/python" - "$OUT" "${SKIP[@]}" <<'EOF'
-import json, sys
+import gzip, json, sys
 from pathlib import Path
 out, skip_files = Path(sys.argv[1]), sys.argv[2:]
 skip = set()
 for f in skip_files:
-    for line in Path(f).read_text().splitlines():
+    opener = gzip.open if f.endswith(".gz") else open
+    for line in opener(f, "rt").read().splitlines():
         if line.strip():
             i = json.loads(line)["id"]
             skip |= {i, "p/" + i}
@@ -47,7 +53,8 @@ EOF
 
 collect() {  # collect STEM TEMPERATURE ARGS...
     local stem=$1 t=$2; shift 2
-    "$BIN/python" "$REPO/recipes/collect_sts.py" "$@" --temperature "$t" --max-new-tokens 64 \
+    "$BIN/python" "$REPO/recipes/collect_sts.py" "$@" ${DRAFT:+--draft "$DRAFT"} \
+        --temperature "$t" --max-new-tokens 64 \
         --out-stem "$OUT/$stem"
 }
 collect fit 1 --prompts "$OUT/prompts-fit.jsonl" --limit 128

@@ -7,7 +7,8 @@
 Starts the embedded server on 127.0.0.1 with SGLANG_DSPARK_STS_COLLECT_PATH=<out-stem>, the
 drafter WITHOUT its sts.json (the recorder wants raw logits), and verification of every draft
 (SGLANG_DSPARK_SCHEDULER=async with SGLANG_DSPARK_SPS_PROFILE=0: a flat cost table, so no
-window is trimmed and every position gets a label). Sends the prompts at --temperature
+window is trimmed and every position gets a label; SGLANG_DSPARK_PLAIN_ROUNDS=off, so every
+round drafts). Sends the prompts at --temperature
 (default 0, greedy) and --concurrency, stops the server, and prints the number of blocks on disk
 (<out-stem>.rank0.*.pt; fit them with `sglang-dspark calibrate`).
 """
@@ -85,13 +86,20 @@ def main(argv=None) -> int:
         ]
     draft = Path(tempfile.mkdtemp(prefix="sts-draft-"))
     for f in Path(args.draft or paths.draft).iterdir():
-        if f.name != embedded.STS_FILE:
+        if f.is_dir():  # draft_vocab/
+            shutil.copytree(f, draft / f.name)
+        elif f.name != embedded.STS_FILE:
             shutil.copy(f, draft / f.name)
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)
     for old in args.out_stem.parent.glob(args.out_stem.name + ".rank*.pt"):
         old.unlink()
     env = embedded.launch_env(scheduler="async")
-    env.update(SGLANG_DSPARK_SPS_PROFILE="0", SGLANG_DSPARK_STS_COLLECT_PATH=str(args.out_stem))
+    # Every round drafts (plain rounds would record no block).
+    env.update(
+        SGLANG_DSPARK_SPS_PROFILE="0",
+        SGLANG_DSPARK_STS_COLLECT_PATH=str(args.out_stem),
+        SGLANG_DSPARK_PLAIN_ROUNDS="off",
+    )
     port = free_port()
     log = Path(tempfile.gettempdir()) / f"collect-sts-{port}.log"
     from dataclasses import replace
