@@ -8,6 +8,10 @@ prices verification by the same flat table and its choices depend on the model's
 and every round drafts (`SGLANG_DSPARK_PLAIN_ROUNDS=off`): the plain-round policy chooses by
 measured wall-clock rates, so with it on a round drafts or not depending on the machine's load,
 and a plain round reports confidences of exactly 0.
+Every C4 row here is taken whole by the indexer's top-k (about 55 compressed positions at most, of
+its 512); the selection itself is checked against SGLang's on SGLang's logits in
+`tests/test_v4_index_topk_switch.py`, and served (reference route) by the 2300-token prompt of
+`tests/test_v4_cpu_serving.py`.
 Required: identical output tokens and identical DSPARK verification (the verify lengths and
 accepted drafts of every step, from `SGLANG_DSPARK_VERIFY_TRACE`, and each request's accepted
 draft count), and the draft's confidences of every step within `CONFIDENCE_ABS`.
@@ -101,11 +105,14 @@ def runs(tiny_v4, prompts, tmp_path_factory) -> dict[str, dict]:
 
 
 def test_each_server_ran_the_chosen_kernels(runs):
-    """The scheduler logged its choice; the triton launch put Triton in its interpreter."""
-    assert "DeepSeek-V4 CPU kernels: dspark_kernels' torch references" in runs["reference"]["log"]
-    triton_log = runs["triton"]["log"]
+    """The scheduler logged its choice; the triton launch put Triton in its interpreter; the
+    C4 indexer's top-k went through `v4_cpu_index_topk` (logged at its first call)."""
+    ref_log, triton_log = runs["reference"]["log"], runs["triton"]["log"]
+    assert "DeepSeek-V4 CPU kernels: dspark_kernels' torch references" in ref_log
     assert "DeepSeek-V4 CPU kernels: dspark_kernels' Triton kernels" in triton_log
     assert "TRITON_INTERPRET=1 set for this launch" in triton_log
+    assert "C4 indexer top-512 by dspark_kernels' topk_transform_reference" in ref_log
+    assert "C4 indexer top-512 by dspark_kernels' topk_transform (Triton)" in triton_log
 
 
 def test_triton_kernels_serve_the_same_tokens_and_acceptances(runs):

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 # target -> its signature in SGLang 0.5.23, as `signature_text` prints it (annotations left
 # out). None: the target must only resolve (sgl-kernel CPU ops, which are patch 0001's
 # `(*args, **kwargs)` placeholders here and compiled ops without a Python signature on a
-# machine with sgl-kernel's CPU build; plain attributes a hook assigns).
+# machine with sgl-kernel's CPU build; plain attributes a hook assigns; code a hook's applied
+# check only reads).
 UPSTREAM_SIGNATURES: dict[str, str | None] = {
     # cpu_sgl_kernel_ops
     "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_cpu": None,
@@ -227,6 +228,11 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
     "sglang.kernels.ops.attention.dsv4.norm_rope.fused_q_indexer_rope_hadamard_quant": (
         "(q_input, weight, weight_scale, freqs_cis, positions)"
     ),
+    # v4_cpu_index_topk
+    "sglang.srt.layers.attention.dsv4.indexer.topk_transform_pytorch_vectorized": (
+        "(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices=None)"
+    ),
+    "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer": None,
     # v4_cpu_swiglu_clamp
     "sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp": (
         "(input, output, swiglu_limit)"
@@ -286,6 +292,9 @@ DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
         "sglang.kernels.ops.attention.dsv4.compress.CompressorPrefillPlan",
     ),
     "v4_cpu_mhc": ("sglang.srt.models.deepseek_v4.hc_head_torch",),
+    "v4_cpu_index_topk": (
+        "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer",
+    ),
     "cpu_paged_last_loc": ("sglang.srt.mem_cache.allocation.get_last_loc_torch",),
     "v4_cpu_defaults": (
         "sglang.srt.arg_groups.overrides.resolving_view",

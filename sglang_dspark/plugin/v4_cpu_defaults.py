@@ -7,7 +7,7 @@ forward (or on loading):
 | switch | default (CUDA) | CPU |
 |---|---|---|
 | `SGLANG_FP8_PAGED_MQA_LOGITS_TORCH` | DeepGEMM `fp8_paged_mqa_logits` (indexer) | 1: `fp8_paged_mqa_logits_torch` |
-| `--dsa-topk-backend`, `--speculative-dsa-topk-backend` | `sgl-kernel` `topk_transform_paged` | `torch` |
+| `--dsa-topk-backend`, `--speculative-dsa-topk-backend` | `sgl-kernel` `topk_transform_paged` | `torch` (its selection routed to `dspark_kernels` by `v4_cpu_index_topk`) |
 | `SGLANG_OPT_USE_FUSED_HASH_TOPK` | fused hash routing kernel | 0: torch `tid2eid` lookup |
 | `SGLANG_OPT_USE_TILELANG_MHC_PRE`, `..._POST` | TileLang mHC (and `_prewarm_mhc_kernels` queries CUDA at load) | 0: torch mHC |
 | `SGLANG_OPT_DEEPGEMM_HC_PRENORM` | DeepGEMM tf32 mHC pre-norm GEMM on long batches | 0: torch |

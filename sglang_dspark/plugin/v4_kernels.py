@@ -1,7 +1,7 @@
 """`SGLANG_DSPARK_V4_KERNELS`: which `dspark_kernels` implementation the V4 CPU hooks call.
 
-The DeepSeek-V4 CPU hooks (`v4_cpu_norm_rope`, `v4_cpu_compressor`) stand in for SGLang's CUDA
-kernels with our package `dspark_kernels` (`kernels/`):
+The DeepSeek-V4 CPU hooks (`v4_cpu_norm_rope`, `v4_cpu_compressor`, `v4_cpu_index_topk`) stand
+in for SGLang's CUDA kernels (and its torch top-k) with our package `dspark_kernels` (`kernels/`):
 
 | call | `reference` (default) | `triton` |
 |---|---|---|
@@ -9,6 +9,7 @@ kernels with our package `dspark_kernels` (`kernels/`):
 | indexer query (`fused_q_indexer_rope_hadamard_quant`) | `indexer_query_reference` | `indexer_query` |
 | compressor pooling + state write (`compress_forward`) | torch (`compress_forward_torch`) | `compress_pool`, `compress_state_write` over `ragged_verify_plan` |
 | compressor store (`compress_norm_rope_store`) | `kv_norm_rope_store_reference` / `index_k_store_reference` | `kv_norm_rope_store` / `index_k_store` |
+| C4 indexer top-k (`topk_transform_pytorch_vectorized`) | `topk_transform_reference` | `topk_transform` |
 
 On CPU tensors the Triton kernels run in Triton's interpreter, which has to be on when Triton
 is first imported: a `--device cpu` V4 launch with `triton` sets `TRITON_INTERPRET=1` in the
@@ -16,8 +17,12 @@ launcher (hook `v4_cpu_defaults`), before SGLang spawns its processes. The varia
 once per process (`v4_kernels()`), which logs the choice; a value outside `CHOICES` stops the
 launch (and any routed call) with the fix.
 
-Not switched: the C4 indexer's top-k, where the hooks call no reference (SGLang's own torch
-logits and top-k run, selected by `v4_cpu_defaults`); `dspark_kernels.index_topk` has no hook.
+The C4 indexer's logits stay SGLang's torch `fp8_paged_mqa_logits_torch` (selected by
+`v4_cpu_defaults`); only its top-k is routed. The reference selects exactly as SGLang's torch
+top-k (same call); the Triton selection keeps the same positions except among logits tied at the
+top-k boundary, where torch's choice is unspecified (`v4_cpu_index_topk`). The fused
+`dspark_kernels.index_topk` (float32 logits + top-k) is not routed: SGLang's logits round
+through bf16, so its selections would differ.
 """
 
 from __future__ import annotations

@@ -1088,6 +1088,27 @@ def v4_cpu_norm_rope():
 
 
 @probe
+def v4_cpu_index_topk():
+    from dspark_kernels import index_topk
+    from sglang.srt.layers.attention.dsv4 import indexer
+
+    torch.manual_seed(0)
+    scores = torch.randn(3, 100)
+    seq_lens = torch.tensor([100, 10, 70], dtype=torch.int32)
+    page_table = torch.tensor([[3, 1], [0, 0], [2, 5]], dtype=torch.int32)
+    slots, raw = torch.empty(3, 16, dtype=torch.int32), torch.empty(3, 16, dtype=torch.int32)
+    calls, reference = [], index_topk.topk_transform_reference
+    index_topk.topk_transform_reference = lambda *a, **k: calls.append(1) or reference(*a, **k)
+    try:
+        indexer.topk_transform_pytorch_vectorized(scores, seq_lens, page_table, slots, 64, raw)
+    finally:
+        index_topk.topk_transform_reference = reference
+    want_slots, want_raw = reference(scores, seq_lens, page_table, 16)
+    assert torch.equal(slots, want_slots) and torch.equal(raw, want_raw)  # SGLang's selection
+    assert calls, "the C4 indexer's top-k ran SGLang's torch top-k, no dspark_kernels call"
+
+
+@probe
 def v4_cpu_mhc():
     from sglang.kernels.ops.layernorm.mhc import _mhc_pre_torch, hc_split_sinkhorn, mhc_combine
     from sglang.kernels.ops.layernorm.mhc_head import fused_hc_head
