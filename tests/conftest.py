@@ -173,3 +173,20 @@ def pytest_runtest_logreport(report):
             f.write(
                 f"{report.duration:9.1f} {report.when:8s} {report.outcome:7s} {report.nodeid}\n"
             )
+
+
+@pytest.fixture
+def v4_switch(monkeypatch):
+    """Set SGLANG_DSPARK_V4_KERNELS for this test (None: unset); the process's cached choice is
+    re-read around it."""
+    from sglang_dspark.plugin import v4_kernels
+
+    def set_to(value: str | None):
+        if value is None:
+            monkeypatch.delenv(v4_kernels.ENV, raising=False)
+        else:
+            monkeypatch.setenv(v4_kernels.ENV, value)
+        v4_kernels.v4_kernels.cache_clear()
+
+    yield set_to
+    v4_kernels.v4_kernels.cache_clear()

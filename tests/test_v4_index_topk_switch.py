@@ -26,7 +26,7 @@ import torch
 from dspark_kernels import index_topk, kv_layout
 from kernel_interpreter import DEVICE, GPU, direct, interpreter_test
 
-from sglang_dspark.plugin import v4_cpu_index_topk, v4_kernels
+from sglang_dspark.plugin import v4_cpu_index_topk
 
 test_in_triton_interpreter = interpreter_test(__file__)
 
@@ -38,21 +38,6 @@ TOPK = 16
 REQUESTS = [(0, 3), (40, 5), (100, 1), (300, 4), (520, 3)]
 PADDING_ROWS = 2
 INF_ROW, TIE_ROW = 14, 15  # rows of the last request (length 131): -inf logits, ties
-
-
-@pytest.fixture
-def switch(monkeypatch):
-    """Set the variable for this test; the process's cached choice is re-read around it."""
-
-    def set_to(value: str | None):
-        if value is None:
-            monkeypatch.delenv(v4_kernels.ENV, raising=False)
-        else:
-            monkeypatch.setenv(v4_kernels.ENV, value)
-        v4_kernels.v4_kernels.cache_clear()
-
-    yield set_to
-    v4_kernels.v4_kernels.cache_clear()
 
 
 def sglang_batch(topk: int = TOPK, requests=REQUESTS, seed: int = 0):
@@ -166,10 +151,10 @@ def test_batch_has_every_row_kind():
 
 
 @pytest.mark.parametrize("with_raw", [True, False], ids=["positions", "slots-only"])
-def test_reference_route_is_sglangs_torch_topk(switch, with_raw):
-    """Default switch, through the hook: SGLang's slots and positions, in SGLang's order,
+def test_reference_route_is_sglangs_torch_topk(v4_switch, with_raw):
+    """Default v4_switch, through the hook: SGLang's slots and positions, in SGLang's order,
     bit for bit (ties, -inf rows and padding included); SGLang's function is never called."""
-    switch(None)
+    v4_switch(None)
     logits, seq_lens, page_table = shaped_batch()
     want_slots, want_raw = sglang_topk(logits, seq_lens, page_table)
 
@@ -184,10 +169,10 @@ def test_reference_route_is_sglangs_torch_topk(switch, with_raw):
     assert (want_raw[INF_ROW] == -1).sum() == TOPK - 11 and (want_raw[-1, 1:] == -1).all()
 
 
-def test_hook_calls_dspark_kernels_on_cpu_only(switch, monkeypatch, caplog):
+def test_hook_calls_dspark_kernels_on_cpu_only(v4_switch, monkeypatch, caplog):
     """On CPU tensors the hook calls `dspark_kernels` (the call it logs once), off CPU SGLang's
     function: a hook that did not route would fail here."""
-    switch(None)
+    v4_switch(None)
     calls = []
     reference = index_topk.topk_transform_reference
     monkeypatch.setattr(index_topk, "topk_transform_reference",
@@ -263,7 +248,7 @@ def test_triton_route_at_v4_top_512(request):
 
 @direct
 @pytest.mark.skipif(GPU, reason="the hook routes CPU tensors: on a GPU Triton is compiled")
-def test_hook_follows_the_variable(switch, monkeypatch):
+def test_hook_follows_the_variable(v4_switch, monkeypatch):
     logits, seq_lens, page_table = shaped_batch()
     want = sglang_topk(logits, seq_lens, page_table)
     calls = []
@@ -271,7 +256,7 @@ def test_hook_follows_the_variable(switch, monkeypatch):
     monkeypatch.setattr(index_topk, "topk_transform",
                         lambda *a, **k: calls.append(1) or kernel(*a, **k))  # fmt: skip
     for value in ("reference", "triton"):
-        switch(value)
+        v4_switch(value)
         slots = torch.empty_like(want[0])
         raw = torch.empty_like(want[1])
         v4_cpu_index_topk._topk_transform(None, logits, seq_lens, page_table, slots, CPAGE, raw)

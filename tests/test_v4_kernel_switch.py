@@ -24,43 +24,28 @@ from sglang_dspark.plugin import v4_cpu_compressor, v4_cpu_norm_rope, v4_kernels
 test_in_triton_interpreter = interpreter_test(__file__)
 
 
-@pytest.fixture
-def switch(monkeypatch):
-    """Set the variable for this test; the process's cached choice is re-read around it."""
-
-    def set_to(value: str | None):
-        if value is None:
-            monkeypatch.delenv(v4_kernels.ENV, raising=False)
-        else:
-            monkeypatch.setenv(v4_kernels.ENV, value)
-        v4_kernels.v4_kernels.cache_clear()
-
-    yield set_to
-    v4_kernels.v4_kernels.cache_clear()
-
-
 # ------------------------------------------------------------------------------ the switch
-def test_default_is_reference(switch, caplog):
-    switch(None)
+def test_default_is_reference(v4_switch, caplog):
+    v4_switch(None)
     with caplog.at_level(logging.INFO, logger=v4_kernels.__name__):
         assert v4_kernels.v4_kernels() == "reference"
         assert v4_kernels.v4_kernels() == "reference"
     assert not v4_kernels.use_triton()
     logged = [r.getMessage() for r in caplog.records if "DeepSeek-V4 CPU kernels" in r.getMessage()]
     assert len(logged) == 1 and "torch references" in logged[0]  # read and logged once
-    switch("")
+    v4_switch("")
     assert v4_kernels.v4_kernels() == "reference"
 
 
-def test_triton_selects_the_kernels(switch, caplog):
-    switch(" Triton ")
+def test_triton_selects_the_kernels(v4_switch, caplog):
+    v4_switch(" Triton ")
     with caplog.at_level(logging.INFO, logger=v4_kernels.__name__):
         assert v4_kernels.v4_kernels() == "triton" and v4_kernels.use_triton()
     assert any("Triton kernels" in r.getMessage() for r in caplog.records)
 
 
-def test_bad_value_names_variable_choices_and_fix(switch):
-    switch("cuda")
+def test_bad_value_names_variable_choices_and_fix(v4_switch):
+    v4_switch("cuda")
     with pytest.raises(v4_kernels.V4KernelsConfigError) as err:
         v4_kernels.v4_kernels()
     message = str(err.value)
@@ -172,14 +157,14 @@ def test_padding_position_reads_the_tables_last_row(request):
 
 
 @direct
-def test_hooks_follow_the_variable(switch):
+def test_hooks_follow_the_variable(v4_switch):
     """The hooks' own entry points read the variable: the same bytes either way."""
     torch.manual_seed(2)
     kv, weight = torch.randn(4, 512), torch.rand(512) + 0.5
     freqs, positions, loc = freqs_cis(16), torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2, 9])
     caches = {}
     for value in ("reference", "triton"):
-        switch(value)
+        v4_switch(value)
         caches[value] = new_v4_cache(1, 256)
         v4_cpu_norm_rope._k_norm_rope_store(None, kv, weight, 1e-6, freqs, positions, loc,
                                             caches[value], 256)  # fmt: skip
