@@ -7,8 +7,8 @@
 Starts the embedded server on 127.0.0.1 with SGLANG_DSPARK_STS_COLLECT_PATH=<out-stem>, the
 drafter WITHOUT its sts.json (the recorder wants raw logits), and verification of every draft
 (SGLANG_DSPARK_SCHEDULER=async with SGLANG_DSPARK_SPS_PROFILE=0: a flat cost table, so no
-window is trimmed and every position gets a label; SGLANG_DSPARK_PLAIN_ROUNDS=off, so every
-round drafts). Sends the prompts at --temperature
+window is trimmed and every position gets a label; SGLANG_DSPARK_PLAIN_ROUNDS=off as a guard:
+every round drafts). Sends the prompts at --temperature
 (default 0, greedy) and --concurrency, stops the server, and prints the number of blocks on disk
 (<out-stem>.rank0.*.pt; fit them with `sglang-dspark calibrate`).
 """
@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     for old in args.out_stem.parent.glob(args.out_stem.name + ".rank*.pt"):
         old.unlink()
     env = embedded.launch_env(scheduler="async")
-    # Every round drafts (plain rounds would record no block).
+    # A plain round records no block: `async` takes none, and `off` keeps it so whatever the
+    # scheduler.
     env.update(
         SGLANG_DSPARK_SPS_PROFILE="0",
         SGLANG_DSPARK_STS_COLLECT_PATH=str(args.out_stem),
