@@ -95,6 +95,19 @@ def test_dspark_serves_in_bfloat16(servers, embedded_paths, tokenizer):
     assert all(t.strip() for t in texts)
 
 
+def test_dspark_drafts_from_the_shipped_draft_vocabulary(servers, embedded_paths, tokenizer):
+    """The shipped drafter carries its reduced draft vocabulary (`draft_vocab/`), and the
+    embedded server drafts from it without being told to."""
+    from sglang_dspark.drafter.formats.draft_vocab import FILE_NAME, load_draft_vocab
+
+    ids = load_draft_vocab(embedded_paths.draft / FILE_NAME, 49152)
+    assert 0 < len(ids) < 49152
+    server = servers.get(embedded_paths)
+    _, meta = _greedy(server, [chat_prompt_ids(tokenizer, PROMPTS[0])], 16)
+    assert meta[0]["spec_verify_ct"] > 0
+    assert f"DSpark draft vocabulary: {len(ids)} of 49152 tokens" in server.log_text()
+
+
 def test_greedy_dspark_equals_plain_token_for_token(servers, embedded_paths, tokenizer):
     """20 eval prompts: DSPARK greedy output == the same server's greedy output without it.
 
