@@ -3,7 +3,8 @@
 Two embedded DSPARK servers with the same seed and the same SPS table, one with the early
 stop (the default) and one without (`SGLANG_DSPARK_DRAFT_EARLY_STOP=0`), answer the same
 requests one at a time at T=1 and T=0: the same tokens, the same verify windows, the same
-accepted drafts. The early-stopping server's trace shows positions it did not draft (their
+accepted drafts. Both draft over the full vocabulary: the pass without the early stop is
+SGLang's own, which knows no draft vocabulary (a 16k proposal samples other tokens at T=1). The early-stopping server's trace shows positions it did not draft (their
 confidence is exactly 0, which the head's sigmoid never gives): exactly the longest verified
 window of each step is drafted.
 """
@@ -38,7 +39,11 @@ def test_early_stop_drafts_less_and_changes_no_token(servers, embedded_paths, tm
     arms = {}
     for name, switch in (("on", "1"), ("off", "0")):
         stem = tmp_path / f"trace-{name}"
-        env = {cpu_draft.SWITCH_ENV: switch, "SGLANG_DSPARK_VERIFY_TRACE": str(stem)}
+        env = {
+            cpu_draft.SWITCH_ENV: switch,
+            cpu_draft.VOCAB_ENV: "full",
+            "SGLANG_DSPARK_VERIFY_TRACE": str(stem),
+        }
         arms[name] = (servers.get(embedded_paths, extra=extra, env=env), stem)
     prompts = eval_prompts("gsm8k", 2) + eval_prompts("mt-bench", 2)
     outputs = {}

@@ -67,9 +67,9 @@ def traced(servers, embedded_paths, tmp_path_factory):
     """A scheduling server that records STS data and its verify trace. Collection records raw
     logits, so it runs without a calibration file."""
     draft = tmp_path_factory.mktemp("draft-uncalibrated")
-    for f in Path(embedded_paths.draft).iterdir():
-        if f.name != "sts.json":
-            shutil.copy(f, draft / f.name)
+    shutil.copytree(
+        embedded_paths.draft, draft, dirs_exist_ok=True, ignore=shutil.ignore_patterns("sts.json")
+    )
     out = tmp_path_factory.mktemp("traced")
     server = servers.get(
         embedded_paths, draft=draft, extra=("--decode-log-interval", "1"),
