@@ -81,7 +81,11 @@ def test_pack_run_unpack_without_sglang(bundle, tmp_path):
            "--work", str(work), "--device", "cpu", "--arms", "dspark,mtp1", "--probe-steps", "2",
            "--steps", "3", "--global-batch-size", "2", "--micro-batch-size", "2",
            "--budget-s", "1800", "--checkpoint-every", "2", "--eval-data", str(held),
-           "--eval-every", "2", "--feature-cache-gb", "0.5"]  # fmt: skip
+           "--eval-every", "2", "--feature-cache-gb", "0.5",
+           # cache groups of 2 (a group of 32 computes 32 sequences' features to train on 2);
+           # the target in float32: torch's bf16 GEMM on a CPU without AVX-512 is a plain loop
+           # (about 7x slower than float32 on the 2-core AMD EPYC CI machines)
+           "--train-args=--target-batch-size 2 --target-dtype float32"]  # fmt: skip
     proc = subprocess.run(
         cmd, check=False, env=_env(tmp_path), capture_output=True, text=True, timeout=1500
     )
