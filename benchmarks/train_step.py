@@ -55,19 +55,20 @@ def default_target() -> Path:
     return cache_dir() / "SmolLM2-135M-Instruct-bfloat16"
 
 
-def measure(kind: str, cache: str, args: argparse.Namespace, work: Path) -> dict:
+def measure(kind: str, cache: str, args: argparse.Namespace, work: Path, dtype: str = "") -> dict:
     from sglang_dspark.drafter.training.config import TrainConfig
     from sglang_dspark.drafter.training.registry import build_trainer
     from sglang_dspark.drafter.training.runtime import PhaseTimer
 
     cfg = TrainConfig.from_json(
         REPO / CONFIGS[kind], data=str(args.data), target=str(args.target),
-        out_dir=str(work / f"{kind}-{cache}"), init_draft=str(REPO / DRAFTS[kind]),
+        out_dir=str(work / f"{kind}-{cache}-{dtype}"), init_draft=str(REPO / DRAFTS[kind]),
         global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
         steps=10_000, resume=False, progress=False, device=args.device,
         feature_cache_gb=1e6 if cache == "warm" else 0.0,  # warm: admit every sequence
         target_batch_size=1,  # warm: compute exactly the sequences the timed steps use
         loss_chunk_rows=args.loss_chunk_rows,
+        **({"target_dtype": dtype} if dtype else {}),
     )  # fmt: skip
     trainer = build_trainer(cfg)
     dev = trainer.device
@@ -100,7 +101,7 @@ def measure(kind: str, cache: str, args: argparse.Namespace, work: Path) -> dict
     per_step["other"] = max(0.0, split_total - sum(per_step.values()))
     share = {p: v / split_total for p, v in per_step.items()}
     return {
-        "kind": kind, "cache": cache, "device": device_name(dev),
+        "kind": kind, "cache": cache, "device": device_name(dev), "target_dtype": cfg.target_dtype,
         "global_batch": args.global_batch, "micro_batch": args.micro_batch,
         "s_per_step": seconds, "seq_per_s": args.global_batch / seconds,
         "lm_head_rows_per_s": rows / seconds, "lm_head_rows_per_step": rows,
@@ -110,13 +111,13 @@ def measure(kind: str, cache: str, args: argparse.Namespace, work: Path) -> dict
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| arm | cache | batch (global/micro) | s/step | seq/s | LM-head rows/s | "
+    head = ("| arm | cache | target dtype | batch (global/micro) | s/step | seq/s | LM-head rows/s | "
             + " | ".join(f"{p} %" for p in (*PHASES, "other")) + " |")  # fmt: skip
-    out = [head, "|" + " --- |" * (6 + len(PHASES) + 1)]
+    out = [head, "|" + " --- |" * (7 + len(PHASES) + 1)]
     for r in rows:
         shares = " | ".join(f"{100 * r['split_share'][p]:.0f}" for p in (*PHASES, "other"))
         out.append(
-            f"| {r['kind']} | {r['cache']} | {r['global_batch']}/{r['micro_batch']} | "
+            f"| {r['kind']} | {r['cache']} | {r['target_dtype']} | {r['global_batch']}/{r['micro_batch']} | "
             f"{r['s_per_step']:.3f} | {r['seq_per_s']:.1f} | {r['lm_head_rows_per_s']:.0f} | {shares} |"
         )
     return "\n".join(out)
@@ -131,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per arm")
     ap.add_argument("--loss-chunk-rows", type=int, default=8192)
     ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--target-dtype",
+        default="",
+        help="comma list, e.g. bfloat16,float32 (default: each config's own); on a CPU without "
+        "AVX-512 torch's bfloat16 GEMM is a slow loop",
+    )
     ap.add_argument("--data", type=Path, default=REPO / "recipes/data/smollm2-regen-t07")
     ap.add_argument(
         "--target",
@@ -155,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="train-step-") as tmp:
         for kind in kinds:
             for cache in caches:
-                rows.append(measure(kind, cache, args, Path(tmp)))
-                print(f"{kind}/{cache}: {rows[-1]['s_per_step']:.3f} s/step", file=sys.stderr)
+                for dtype in args.target_dtype.split(",") if args.target_dtype else [""]:
+                    rows.append(measure(kind, cache, args, Path(tmp), dtype))
+                    print(f"{kind}/{cache}/{rows[-1]['target_dtype']}: "
+                          f"{rows[-1]['s_per_step']:.3f} s/step", file=sys.stderr)  # fmt: skip
     print(f"device: {rows[0]['device']}; torch {torch.__version__}; {args.steps} timed steps "
           "per arm after one warm-up step")  # fmt: skip
     print(table(rows))
