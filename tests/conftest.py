@@ -108,7 +108,7 @@ class ServerPool:
     ):  # fmt: skip
         from dataclasses import replace
 
-        from sglang_dspark.plugin import plain_rounds
+        from sglang_dspark.plugin import cpu_gemm, plain_rounds
         from sglang_dspark.serving import embedded
         from sglang_dspark.serving.server import SGLangServer, free_port
 
@@ -130,6 +130,11 @@ class ServerPool:
         # traces or accepted drafts need them all drafted; the plain-round policy
         # (`cpu_plain_rounds`, on by default in a server) has its own tests.
         launch_env.setdefault(plain_rounds.MODE_ENV, "off")
+        # Every half-precision linear in float32 (`cpu_half_gemm_fp32` with one row minimum):
+        # a batch-invariant engine, so that token-for-token comparisons between arms, batch
+        # sizes and verify windows compare the algorithm, not which GEMM a row's batch took.
+        # The default threshold has its own server tests (the README's serve command).
+        launch_env.setdefault(cpu_gemm.MIN_ROWS_ENV, "1")
         if speculative:  # the broken-sampler switch: a test-only plugin on the server's path
             launch_env = controls.server_env(launch_env)
             if controls.MODE_ENV not in env:

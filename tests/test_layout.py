@@ -101,8 +101,6 @@ def test_train_module_stays_small():
 
 def test_every_package_folder_is_in_the_readme_table():
     readme = (REPO / "README.md").read_text()
-    folders = sorted(
-        p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").is_file()
-    )
+    folders = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
     missing = [f for f in folders if not re.search(rf"`sglang_dspark/{f}/", readme)]
     assert not missing, f"README's table does not name {missing}"

@@ -33,6 +33,7 @@ UPSTREAM_FAILURE = {
     "cpu_record_stream_noop": "unknown parameter type",
     "torch_native_target_verify": "'NoneType' object has no attribute 'shape'",
     "cpu_bf16_draft_kernels": "table_qk_norm_rope_ (Triton)",
+    "cpu_half_gemm_fp32": "a 16-row bf16 linear ran torch's bf16 GEMM",
     "cpu_rejection_sampler": "0 active drivers",
     "cpu_greedy_markov_step": "Philox noise drawn for an all-greedy step",
     "cpu_sampled_markov_step": "Philox noise drawn in torch for a sampled CPU step",

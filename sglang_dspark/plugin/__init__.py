@@ -43,6 +43,7 @@ def _hooks():
         cpu_dspark,
         cpu_eagle,
         cpu_engine,
+        cpu_gemm,
         cpu_kernels,
         cpu_markov,
         cpu_memory,
@@ -70,6 +71,7 @@ def _hooks():
     return {
         **cpu_engine.HOOKS,
         **cpu_kernels.HOOKS,
+        **cpu_gemm.HOOKS,
         **cpu_dspark.HOOKS,
         **cpu_eagle.HOOKS,
         **cpu_attention.HOOKS,

@@ -337,22 +337,21 @@ def _draft_vocab(proposer) -> DraftVocab | None:
 def subset_base_logits(model, vocab: DraftVocab, hidden):
     """The LM head's rows for the draft vocabulary (SGLang's `compute_base_logits` restricted:
     the same muP division, the same matmul)."""
-    import torch
+    from sglang_dspark.plugin import cpu_gemm
 
     if getattr(model, "logits_mup_width_multiplier", None):
         hidden = hidden / model.logits_mup_width_multiplier
-    return torch.matmul(hidden.to(vocab.lm_weight.dtype), vocab.lm_weight.T)
+    return cpu_gemm.linear(hidden.to(vocab.lm_weight.dtype), vocab.lm_weight)
 
 
 def subset_step(markov, vocab: DraftVocab, prev, base, *, temperatures, seed, logits_out):
     """One Markov step over the draft vocabulary: step logits base + W2[ids] e(prev) (rounded
     as SGLang's step rounds them), argmax rows at temperature 0, the others sampled at their
     temperature (`cpu_markov.sample_rows`). Returns target token ids."""
-    import torch.nn.functional as F
-
+    from sglang_dspark.plugin import cpu_gemm
     from sglang_dspark.plugin.cpu_markov import sample_rows
 
-    bias = F.linear(markov.get_prev_embeddings(prev), vocab.w2_weight)
+    bias = cpu_gemm.linear(markov.get_prev_embeddings(prev), vocab.w2_weight)
     step_dtype = markov.step_logits_dtype(base.dtype)
     value = (base.float() + bias.float()).to(step_dtype).float()
     if logits_out is not None:

@@ -73,6 +73,13 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
     "sglang.srt.speculative.eagle_utils.tree_speculative_sampling_target_only": None,
     "sglang.srt.speculative.eagle_utils.top_k_renorm_prob": None,
     "sglang.srt.speculative.eagle_utils.top_p_renorm_prob": None,
+    # cpu_half_gemm_fp32
+    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply": (
+        "(self, layer, x, bias=None)"
+    ),
+    "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head": (
+        "(self, hidden_states, lm_head, embedding_bias=None, *, out=None)"
+    ),
     # cpu_row_argmax
     "sglang.srt.speculative.spec_utils.row_argmax": "(x)",
     # torch_native_target_verify

@@ -52,7 +52,7 @@ import logging
 import os
 import time
 
-from sglang_dspark.plugin import parallel
+from sglang_dspark.plugin import cpu_gemm, parallel
 from sglang_dspark.plugin.registry import register_after, register_around, register_before
 
 logger = logging.getLogger(__name__)
@@ -312,6 +312,7 @@ def sps_key_for(model_runner, *, verify_num_draft_tokens: int, max_requests: int
         max_requests=int(max_requests),
         verify_tokens=tuple(sps.verify_token_probes(max_requests, verify_num_draft_tokens)),
         draft_requests=tuple(sps.draft_request_probes(max_requests)),
+        gemm=cpu_gemm.describe(model_runner.dtype, model_runner.device),
     )
 
 

@@ -87,6 +87,7 @@ class SpsKey:
     max_requests: int
     verify_tokens: tuple[int, ...]  # theta probes m
     draft_requests: tuple[int, ...]  # alpha probes R
+    gemm: str = "native"  # CPU half-precision GEMM path (`cpu_gemm.describe`)
     version: int = TABLE_VERSION
 
     def digest(self) -> str:

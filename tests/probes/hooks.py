@@ -835,6 +835,43 @@ def cpu_row_argmax():
     assert idx.shape == (4, 1) and torch.equal(p, probs.gather(1, idx))
 
 
+@probe
+def cpu_half_gemm_fp32():
+    """A 16-row bf16 linear and LM head, with the hook's float32 path forced (`auto` takes it
+    only where oneDNN has no bf16 GEMM)."""
+    import torch.nn.functional as F
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from sglang.srt.layers.quantization.unquant import (
+        UnquantizedEmbeddingMethod,
+        UnquantizedLinearMethod,
+    )
+
+    from sglang_dspark.plugin import cpu_gemm
+
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(1536, 576, generator=g).bfloat16(), False)
+    layer.quant_method = UnquantizedEmbeddingMethod()
+    x = torch.randn(16, 576, generator=g).bfloat16()
+    want = F.linear(x.float(), layer.weight.float()).bfloat16()
+    proc = LogitsProcessor.__new__(LogitsProcessor)
+    proc.use_fp32_lm_head, proc.use_fp32_lm_head_output, proc.rl_on_policy_target = (
+        False,
+        False,
+        None,
+    )
+    os.environ[cpu_gemm.MODE_ENV] = "float32"
+    cpu_gemm.settings.cache_clear()
+    try:
+        out = UnquantizedLinearMethod().apply(layer, x)
+        logits = proc._compute_lm_head(x, layer)
+    finally:
+        del os.environ[cpu_gemm.MODE_ENV]
+        cpu_gemm.settings.cache_clear()
+    assert torch.equal(out, want), "a 16-row bf16 linear ran torch's bf16 GEMM"
+    assert torch.equal(logits, want), "a 16-row bf16 LM head ran torch's bf16 GEMM"
+
+
 # ------------------------------------------------------------------ DeepSeek-V4 on CPU
 def _v4_config():
     from transformers import AutoConfig
