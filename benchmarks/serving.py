@@ -38,7 +38,8 @@ cell (every arm) is run again, up to `--max-reruns` times; `report.md` lists eve
 any cell still out of line.
 
 Writes into `--out`: `report.md` (mean and 95% interval over rounds of every number, the
-control's verdicts, the gains round by round), `stages.csv` (one row per stage, in the order
+control's verdicts, the gains round by round: `--arm` against `--baseline` with the figures,
+then every other speculative arm against the same baseline), `stages.csv` (one row per stage, in the order
 they ran, re-runs and replaced stages included), `samples.csv` (one row per request: arm,
 level, round, start, TTFT, e2e, tokens, accept and verify length), `arms/<arm>/sla_summary.json`
 (rounds merged, per-round values kept, no samples) and the Pareto figures of `sglang-dspark
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out / "stages.csv", STAGE_FIELDS, stages)
     write_csv(args.out / "samples.csv", SAMPLE_FIELDS, samples)
 
-    from sglang_dspark.measurement.pareto import render, run_pareto
+    from sglang_dspark.measurement.pareto import compare_all, render, render_comparison, run_pareto
 
     arm = args.arm if args.arm in names else None
     base = args.baseline if args.baseline in names else None
@@ -391,6 +392,19 @@ def main(argv: list[str] | None = None) -> int:
     sla_view = run_pareto(summaries, args.out, arm=arm, baseline=base, x_metric="e2e")
     streaming = run_pareto(summaries, args.out / "no-ttft", arm=arm, baseline=base,
                            x_metric="mean")  # fmt: skip
+    others = ""
+    main_pair = sla_view["comparison"]
+    if main_pair:  # every other speculative arm against the same baseline, both x views
+        views = []
+        for title, x_metric in (("TTFT included", "e2e"), ("after the first token", "mean")):
+            rows = compare_all(summaries, main_pair["baseline"], skip=[main_pair["arm"]],
+                               x_metric=x_metric)  # fmt: skip
+            if rows:
+                text = "\n".join(line for c in rows for line in render_comparison(c))
+                views.append(f"{title}:\n\n```\n{text}\n```")
+        if views:
+            others = (f"\n## Every other speculative arm against {main_pair['baseline']}\n\n"
+                      + "\n\n".join(views) + "\n")  # fmt: skip
     cmd = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
     ratios = ratio_table(arms, ref) if len(names) > 1 else "(one arm)"
     control = "\n".join(f"- {n}" for n in notes) or (
@@ -405,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(plain, tolerance {args.control_tolerance:.0%})\n\n{control}\n\n"
         f"## Pareto, TTFT included (pareto.png)\n\n```\n{render(sla_view)}\n```\n\n"
         f"## Pareto, after the first token (no-ttft/pareto.png)\n\n```\n{render(streaming)}\n```\n"
+        f"{others}"
     )
     (args.out / "report.md").write_text(text)
     print(text)

@@ -191,6 +191,29 @@ def test_a_variant_is_its_base_arm_with_one_change_and_ratios_are_paired(
     assert "| off | 1 | 0.636 [0.636, 0.636] |" in report
 
 
+def test_every_other_speculative_arm_is_compared_with_the_baseline(bench, monkeypatch, tmp_path):
+    mod, _ = bench
+    monkeypatch.setattr(mod, "run_stage", fake_stage([], contaminated=None))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--arms", "plain,mtp1,dspark-sync,dspark-static", "--users",
+            "1,4", "--rounds", "3", "--arm", "dspark-sync", "--baseline", "mtp1",
+            "--variant", "off=dspark-sync:SGLANG_DSPARK_PLAIN_ROUNDS=off"]  # fmt: skip
+    assert mod.main(argv) == 0
+    report = (out / "report.md").read_text()
+    main_view, others = report.split("## Every other speculative arm against mtp1")
+    assert "dspark-sync vs mtp1: throughput at matched tok/s/user" in main_view
+    assert "dspark-static vs mtp1" not in main_view and "dspark-sync vs mtp1" not in others
+    # synthetic speeds: x and y scale with the arm's speed (mtp1 12, static 11, off 7): the
+    # static frontier overlaps mtp1's, off's (every point slower) does not; both x views
+    for label, overlap in (("dspark-static", True), ("off", False)):
+        lines = [ln for ln in others.splitlines() if ln.startswith(f"{label} vs mtp1: throughput")]
+        assert len(lines) == 2, lines
+        for line in lines:
+            assert ("at baseline points: c=4: 0." in line) is overlap, line
+            assert ("frontiers do not overlap" in line) is not overlap, line
+    assert "plain vs" not in others
+
+
 def test_a_variant_must_name_a_known_arm_and_a_new_label(monkeypatch):
     mod = load(monkeypatch)
     for bad, why in [("x=nope:A=1", "BASE one of"), ("mtp1=dspark-sync:A=1", "is taken"),

@@ -626,6 +626,34 @@ def run_pareto(
     return result
 
 
+def render_comparison(c: dict[str, Any]) -> list[str]:
+    """The lines of one arm-against-baseline comparison (`compare`'s output)."""
+    lines = []
+    for key, text in (
+        ("throughput_gain_at_matched_user_tok_s", "throughput at matched tok/s/user"),
+        ("user_speed_gain_at_matched_throughput", "tok/s/user at matched throughput"),
+    ):
+        g = c[key]
+        if g is None:
+            lines.append(f"{c['arm']} vs {c['baseline']}: {text}: frontiers do not overlap")
+            continue
+        at_pts = ", ".join(f"c={p['users']}: {p['gain']:.2f}x" for p in g["at_baseline_points"])
+        lines.append(
+            f"{c['arm']} vs {c['baseline']}: {text}: max {g['max_gain']:.2f}x at "
+            f"{g['at']:.2f}; at baseline points: {at_pts or '-'}"
+        )
+        by_round = (c.get("rounds") or {}).get(key) or {}
+        for stat in ("max", "min"):
+            if stat in by_round:
+                e = by_round[stat]
+                lines.append(
+                    f"  round by round ({by_round['rounds_with_overlap']} of "
+                    f"{c['rounds']['rounds']} overlap): {stat} {e['mean']:.2f}x "
+                    f"[95% CI {e['ci'][0]:.2f}, {e['ci'][1]:.2f}]"
+                )
+    return lines
+
+
 def render(result: dict[str, Any]) -> str:
     """A short text report of the arms, frontiers and gains."""
     lines = []
@@ -636,31 +664,25 @@ def render(result: dict[str, Any]) -> str:
     if c is None:
         lines.append("no comparison: pass --arm and --baseline (or include a DSPARK arm)")
     else:
-        for key, text in (
-            ("throughput_gain_at_matched_user_tok_s", "throughput at matched tok/s/user"),
-            ("user_speed_gain_at_matched_throughput", "tok/s/user at matched throughput"),
-        ):
-            g = c[key]
-            if g is None:
-                lines.append(f"{c['arm']} vs {c['baseline']}: {text}: frontiers do not overlap")
-                continue
-            at_pts = ", ".join(f"c={p['users']}: {p['gain']:.2f}x" for p in g["at_baseline_points"])
-            lines.append(
-                f"{c['arm']} vs {c['baseline']}: {text}: max {g['max_gain']:.2f}x at "
-                f"{g['at']:.2f}; at baseline points: {at_pts or '-'}"
-            )
-            by_round = (c.get("rounds") or {}).get(key) or {}
-            for stat in ("max", "min"):
-                if stat in by_round:
-                    e = by_round[stat]
-                    lines.append(
-                        f"  round by round ({by_round['rounds_with_overlap']} of "
-                        f"{c['rounds']['rounds']} overlap): {stat} {e['mean']:.2f}x "
-                        f"[95% CI {e['ci'][0]:.2f}, {e['ci'][1]:.2f}]"
-                    )
+        lines += render_comparison(c)
     lines.append("method: " + result["method"])
     lines.append("wrote: " + ", ".join(result["files"].values()))
     return "\n".join(lines)
+
+
+def compare_all(
+    paths: Sequence[str | Path], baseline: str, skip: Sequence[str] = (), x_metric: str = "e2e"
+) -> list[dict[str, Any]]:
+    """Every speculative arm but `baseline` and `skip` against `baseline` (no files written):
+    the rows a report adds beside its main comparison."""
+    arms = load_arms(paths, (), 1.0, x_metric, "same")
+    by_label = {a.label: a for a in arms}
+    base = by_label[baseline]
+    return [
+        compare(a, base)
+        for a in arms
+        if a.algorithm and a.label != baseline and a.label not in skip
+    ]
 
 
 # ------------------------------------------------------------------------------------------
