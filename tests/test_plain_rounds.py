@@ -135,3 +135,17 @@ def test_plain_rounds_need_compact_verify_and_stay_exact_if_filler_is_verified()
     q = torch.softmax(proposal.draft_block.corrected_logits.float(), -1)
     assert q[..., 0].eq(1).all()
     assert int(proposer.noise.offset) == 1
+
+
+def test_a_trace_records_each_measured_round_and_sums_it_up(tmp_path):
+    clock = Clock()
+    path = tmp_path / "trace.txt"
+    policy = PlainRoundPolicy("auto", clock, trace=path)
+    run(policy, clock, 4, 60, costs(0.10, 0.08, 2.0, 4))  # drafting pays: 80 vs 50 tok/s
+    lines = [ln.split() for ln in path.read_text().splitlines()]
+    assert len(lines) == 59  # every round but the last (its end is the next round's start)
+    assert {(ln[1], ln[3]) for ln in lines} == {("0", "8"), ("1", "4")}
+    assert any(ln[2] == "1" for ln in lines) and any(ln[2] == "0" for ln in lines)
+    table = plain_rounds.trace_table(path)
+    assert "| 4 | drafted | " in table and "| 100.0 | 80.0 |" in table
+    assert "| 4 | plain | " in table and "| 80.0 | 50.0 |" in table

@@ -23,7 +23,9 @@ the gap between the two). Applies where `cpu_draft_until_verifiable` does (CPU, 
 only with SGLang's verify floor at the anchor (`min_verify_len` 1).
 
 `SGLANG_DSPARK_PLAIN_ROUNDS`: `auto` (default), `off` (always draft: the side-by-side arm),
-`always` (never draft: tests and the overhead measurement).
+`always` (never draft: tests and the overhead measurement). `SGLANG_DSPARK_PLAIN_ROUNDS_TRACE=
+FILE` appends every measured round to FILE (batch size, plain, first round after a change of
+mode, tokens, seconds); `python -m sglang_dspark.plugin.plain_rounds FILE` sums it up per mode.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from sglang_dspark.plugin.registry import register_after, register_around
 logger = logging.getLogger(__name__)
 
 MODE_ENV = "SGLANG_DSPARK_PLAIN_ROUNDS"
+TRACE_ENV = "SGLANG_DSPARK_PLAIN_ROUNDS_TRACE"
 MODES = ("auto", "off", "always")
 WORKER_INIT = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2.__init__"
 FORWARD_DECODE = (
@@ -91,12 +94,14 @@ class _Round:
 class PlainRoundPolicy:
     """Chooses, per decode round, whether the batch drafts; learns from the rounds it sees."""
 
-    def __init__(self, policy_mode: str = "auto", clock=time.perf_counter) -> None:
+    def __init__(self, policy_mode: str = "auto", clock=time.perf_counter, trace=None) -> None:
         self.mode = policy_mode
         self.clock = clock
         self.rates: dict[int, Rates] = {}
         self._last: _Round | None = None
+        self._modes: list[bool] = []  # the last two finished rounds' modes
         self.rounds = {False: 0, True: 0}
+        self.trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
 
     def choose_plain(self, bs: int) -> bool:
         if self.mode != "auto":
@@ -122,12 +127,17 @@ class PlainRoundPolicy:
             self.rates.setdefault(bucket(bs), Rates()).add(
                 last.plain, last.tokens / (now - last.start)
             )
+            if self.trace is not None:
+                switched = len(self._modes) == 2 and self._modes[0] != self._modes[1]
+                self.trace.write(f"{bs} {int(last.plain)} {int(switched)} {last.tokens} "
+                                 f"{now - last.start:.6f}\n")  # fmt: skip
         self._last = _Round(now, bs, plain=False)
 
     def round_finished(self, plain: bool, tokens: int) -> None:
         if self._last is not None:
             self._last.plain = plain
             self._last.tokens = tokens
+        self._modes = [*self._modes[-1:], plain]
         self.rounds[plain] += 1
 
     def round_abandoned(self) -> None:
@@ -146,8 +156,26 @@ def policy_of(obj) -> PlainRoundPolicy | None:
     return getattr(obj, POLICY_ATTR, None)
 
 
+def trace_table(path) -> str:
+    """A trace (`TRACE_ENV`) summed up per batch size and mode, steady rounds apart from the
+    first after a change of mode: rounds, ms per round, tokens per second (sum over sum)."""
+    sums: dict[tuple[int, bool, bool], list[float]] = {}
+    with open(path) as f:
+        for line in f:
+            bs, plain, switched, tokens, seconds = line.split()
+            s = sums.setdefault((int(bs), plain == "1", switched == "1"), [0, 0.0, 0.0])
+            s[0] += 1
+            s[1] += float(tokens)
+            s[2] += float(seconds)
+    rows = ["| bs | mode | rounds | ms / round | tok/s |", "| --- | --- | --- | --- | --- |"]
+    for (bs, plain, switched), (n, tokens, seconds) in sorted(sums.items()):
+        kind = ("plain" if plain else "drafted") + (", after a switch" if switched else "")
+        rows.append(f"| {bs} | {kind} | {n} | {1e3 * seconds / n:.1f} | {tokens / seconds:.1f} |")
+    return "\n".join(rows)
+
+
 def _attach(result, worker, *args, **kwargs):
-    policy = PlainRoundPolicy(mode())
+    policy = PlainRoundPolicy(mode(), trace=os.environ.get(TRACE_ENV) or None)
     setattr(worker, POLICY_ATTR, policy)
     proposer = getattr(worker, "_proposer", None)
     if proposer is not None:
@@ -252,3 +280,9 @@ def install() -> None:
 
 
 HOOKS = {"cpu_plain_rounds": install}
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(trace_table(sys.argv[1]))
