@@ -39,10 +39,10 @@ any cell still out of line.
 
 Writes into `--out`: `report.md` (mean and 95% interval over rounds of every number, the
 control's verdicts, the gains round by round: `--arm` against `--baseline` with the figures,
-then every other speculative arm against the same baseline), `stages.csv` (one row per stage, in the order
-they ran, re-runs and replaced stages included), `samples.csv` (one row per request: arm,
-level, round, start, TTFT, e2e, tokens, accept and verify length), `arms/<arm>/sla_summary.json`
-(rounds merged, per-round values kept, no samples) and the Pareto figures of `sglang-dspark
+then every other speculative arm against the same baseline), `stages.csv` (one row per stage,
+in the order they ran, re-runs and replaced stages included), `samples.csv` (one row per
+request: arm, level, round, start, TTFT, e2e, tokens, accept and verify length),
+`arms/<arm>/sla_summary.json` (rounds merged, per-round values kept, no samples) and the Pareto figures of `sglang-dspark
 pareto` for both views: `pareto.png` (TTFT included) and `no-ttft/pareto.png`. The locust
 dumps go to a temporary directory unless `--raw DIR`.
 """
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out / "stages.csv", STAGE_FIELDS, stages)
     write_csv(args.out / "samples.csv", SAMPLE_FIELDS, samples)
 
-    from sglang_dspark.measurement.pareto import compare_all, render, render_comparison, run_pareto
+    from sglang_dspark.measurement.pareto import render, render_comparison, run_pareto
 
     arm = args.arm if args.arm in names else None
     base = args.baseline if args.baseline in names else None
@@ -393,18 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     streaming = run_pareto(summaries, args.out / "no-ttft", arm=arm, baseline=base,
                            x_metric="mean")  # fmt: skip
     others = ""
-    main_pair = sla_view["comparison"]
-    if main_pair:  # every other speculative arm against the same baseline, both x views
-        views = []
-        for title, x_metric in (("TTFT included", "e2e"), ("after the first token", "mean")):
-            rows = compare_all(summaries, main_pair["baseline"], skip=[main_pair["arm"]],
-                               x_metric=x_metric)  # fmt: skip
-            if rows:
-                text = "\n".join(line for c in rows for line in render_comparison(c))
-                views.append(f"{title}:\n\n```\n{text}\n```")
-        if views:
-            others = (f"\n## Every other speculative arm against {main_pair['baseline']}\n\n"
-                      + "\n\n".join(views) + "\n")  # fmt: skip
+    views = [
+        f"{title}:\n\n```\n" + "\n".join(ln for c in rows for ln in render_comparison(c)) + "\n```"
+        for title, rows in (("TTFT included", sla_view["other_comparisons"]),
+                            ("after the first token", streaming["other_comparisons"]))
+        if rows
+    ]  # fmt: skip
+    if views:
+        base_label = sla_view["comparison"]["baseline"]
+        others = (
+            f"\n## Every other speculative arm against {base_label}\n\n" + "\n\n".join(views) + "\n"
+        )
     cmd = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
     ratios = ratio_table(arms, ref) if len(names) > 1 else "(one arm)"
     control = "\n".join(f"- {n}" for n in notes) or (

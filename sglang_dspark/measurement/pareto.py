@@ -598,6 +598,10 @@ def run_pareto(
     out.mkdir(parents=True, exist_ok=True)
     pair = pick(arms, arm, baseline)
     comparison = compare(*pair, n=grid) if pair else None
+    # every other speculative arm against the same baseline (reports list them beside)
+    others = (
+        [compare(a, pair[1], n=grid) for a in arms if a.algorithm and a not in pair] if pair else []
+    )
     write_csv(arms, out / "pareto.csv")
     plot_pareto(arms, comparison, out / "pareto.png", x_metric, replicas)
     files = {"pareto_png": str(out / "pareto.png"), "pareto_csv": str(out / "pareto.csv")}
@@ -618,6 +622,7 @@ def run_pareto(
             for a in arms
         ],
         "comparison": comparison,
+        "other_comparisons": others,
         "verify_budget": series,
         "files": files,
     }
@@ -668,21 +673,6 @@ def render(result: dict[str, Any]) -> str:
     lines.append("method: " + result["method"])
     lines.append("wrote: " + ", ".join(result["files"].values()))
     return "\n".join(lines)
-
-
-def compare_all(
-    paths: Sequence[str | Path], baseline: str, skip: Sequence[str] = (), x_metric: str = "e2e"
-) -> list[dict[str, Any]]:
-    """Every speculative arm but `baseline` and `skip` against `baseline` (no files written):
-    the rows a report adds beside its main comparison."""
-    arms = load_arms(paths, (), 1.0, x_metric, "same")
-    by_label = {a.label: a for a in arms}
-    base = by_label[baseline]
-    return [
-        compare(a, base)
-        for a in arms
-        if a.algorithm and a.label != baseline and a.label not in skip
-    ]
 
 
 # ------------------------------------------------------------------------------------------
