@@ -7,8 +7,8 @@ server ran at 0.91x plain at one user, T=1. vLLM's dynamic speculative decoding 
 speculation off from a fixed batch-size threshold or a per-batch policy; ours measures both
 sides on this engine, per batch size:
 
-- a *speculative* round's rate is the tokens it committed over the time to the next round's
-  start (so it includes the scheduler's own per-round work), averaged (EMA) per batch size;
+- a round's rate is the tokens it committed over the time to the next round's start (so it
+  includes the scheduler's own per-round work);
 - a *plain* round skips the draft pass entirely: no backbone, no Markov step, no LM head. The
   verify runs the anchor alone (every request verifies 0 drafts), which is a plain decode
   step: the target's logits at the next position, the bonus token sampled from them by the
@@ -16,11 +16,15 @@ sides on this engine, per batch size:
   verify's commit (the draft forward never writes context the next round reads), so the
   next speculative round drafts from the full context.
 
-Each batch size starts speculative; once both modes have `MIN_SAMPLES` measured rounds the
-faster one runs, and the other is probed one round in `PROBE_EVERY`, so a change of load or
-of acceptance is noticed within a few dozen rounds (the probes cost at most 1/PROBE_EVERY of
-the gap between the two). Applies where `cpu_draft_until_verifiable` does (CPU, `sync`) and
-only with SGLang's verify floor at the anchor (`min_verify_len` 1).
+Each batch size starts speculative and is compared with plain decoding in *paired* probes
+(`Comparison`): a few rounds of the other mode between rounds of the running one, the first
+round after each switch left out. The policy this replaces kept an EMA of each mode's rate and
+probed the other mode one round in 16: at 4 users, T=1 on a 2-core CPU it decoded 42% of its
+rounds plainly and ran at 1.05x plain where drafting every round ran at 1.19x. Its trace shows
+why: the round time of both modes drifts together (lag-1 autocorrelation 0.7, still 0.27 at 32
+rounds), a drafted round's tokens vary by 30%, and a one-round probe pays the switch (+8-13 ms),
+so the EMA compared rates measured minutes apart. Applies where `cpu_draft_until_verifiable`
+does (CPU, `sync`) and only with SGLang's verify floor at the anchor (`min_verify_len` 1).
 
 `SGLANG_DSPARK_PLAIN_ROUNDS`: `auto` (default), `off` (always draft: the side-by-side arm),
 `always` (never draft: tests and the overhead measurement). `SGLANG_DSPARK_PLAIN_ROUNDS_TRACE=
@@ -31,8 +35,10 @@ mode, tokens, seconds); `python -m sglang_dspark.plugin.plain_rounds FILE` sums 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from sglang_dspark.plugin.registry import register_after, register_around
@@ -47,9 +53,12 @@ FORWARD_DECODE = (
     "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2._forward_decode"
 )
 POLICY_ATTR = "_dspark_plain_policy"  # the worker's policy, also on its proposer
-MIN_SAMPLES = 3
-PROBE_EVERY = 16
-ALPHA = 0.25
+PROBE_ROUNDS = 4  # a probe: the switch round (not measured), then 3 measured rounds
+PROBE_EVERY = 16  # rounds of the chosen mode between two probes while the choice is unsure
+PROBE_EVERY_SURE = 64  # ... and once it is sure
+SURE_Z = 3.0  # sure: the mean log ratio is this many standard errors from 0
+HISTORY = 6  # paired comparisons kept per batch size
+OUTLIER = 0.25  # a round under this share of its mode's last rate spans a gap, not a round
 
 
 def mode() -> str:
@@ -68,27 +77,110 @@ def bucket(bs: int) -> int:
 
 
 @dataclass
-class Rates:
-    """Per batch size: EMAs of tokens per second of each mode and their sample counts."""
+class Block:
+    """Measured rounds of one mode, summed: their rate is tokens over seconds."""
 
-    rate: dict[bool, float] = field(default_factory=dict)  # plain? -> tokens/s
-    count: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.rounds += 1
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class Comparison:
+    """One batch size's paired comparisons of the two modes.
+
+    The mode that runs (`plain`) is probed by the other for `PROBE_ROUNDS` rounds every
+    `PROBE_EVERY` rounds; a probe's measured rounds are compared with the running mode's
+    measured rounds just before and just after it, so a drift of the round time that both modes
+    share (contexts growing, the batch's mix, the machine) cancels, and the first round after a
+    change of mode (which pays for the other mode's shapes once) is never a sample. The log of
+    drafted over plain tokens per second of the last `HISTORY` comparisons decides the mode;
+    probes thin out to one in `PROBE_EVERY_SURE` rounds once their mean is `SURE_Z` standard
+    errors from 0."""
+
+    plain: bool = False  # the running mode
+    phase: str = "run"  # run | probe | after
     since_probe: int = 0
+    probe_left: int = 0
+    before: deque = field(default_factory=lambda: deque(maxlen=PROBE_ROUNDS - 1))
+    probe: Block = field(default_factory=Block)
+    after: Block = field(default_factory=Block)
+    log_ratios: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    last_rate: dict[bool, float] = field(default_factory=dict)  # the outlier guard's reference
 
-    def add(self, plain: bool, value: float) -> None:
-        old = self.rate.get(plain)
-        if old is not None and value < 0.25 * old:
-            return  # a prefill or an idle gap between the two rounds, not this round's cost
-        self.rate[plain] = value if old is None else (1 - ALPHA) * old + ALPHA * value
-        self.count[plain] += 1
+    def choose(self) -> tuple[bool, str]:
+        """This round's mode (plain?) and its role in the comparison."""
+        if self.phase == "run":
+            self.since_probe += 1
+            due = PROBE_EVERY_SURE if self.sure() else PROBE_EVERY
+            if not self.log_ratios:
+                due = PROBE_ROUNDS  # the first comparison comes early
+            if self.since_probe >= due and len(self.before) == self.before.maxlen:
+                self.phase, self.probe_left, self.probe = "probe", PROBE_ROUNDS, Block()
+        if self.phase == "probe":
+            self.probe_left -= 1
+            if self.probe_left == 0:
+                self.phase, self.after = "after", Block()
+            return not self.plain, "probe"
+        return self.plain, self.phase
+
+    def add(self, plain: bool, role: str, switched: bool, tokens: int, seconds: float) -> None:
+        """A measured round of this batch size."""
+        rate = tokens / seconds
+        ref = self.last_rate.get(plain)
+        if switched or (ref is not None and rate < OUTLIER * ref):
+            return
+        self.last_rate[plain] = rate
+        if role == "probe" and plain != self.plain:
+            self.probe.add(tokens, seconds)
+        elif plain == self.plain and role == "after" and self.phase == "after":
+            self.after.add(tokens, seconds)
+            if self.after.rounds >= PROBE_ROUNDS - 1:
+                self._compare()
+        elif plain == self.plain:
+            self.before.append((tokens, seconds))
+
+    def _compare(self) -> None:
+        mine = Block()
+        for tokens, seconds in self.before:
+            mine.add(tokens, seconds)
+        mine.add(self.after.tokens, self.after.seconds)
+        if self.probe.rounds:
+            ratio = self.probe.rate() / mine.rate()  # other mode over the running one
+            self.log_ratios.append(math.log(ratio) * (1 if self.plain else -1))
+        self.plain = self.mean() < 0
+        self.phase, self.since_probe = "run", 0
+        self.before.clear()
+
+    def mean(self) -> float:
+        """The mean log of drafted over plain tokens per second (0 before any comparison)."""
+        return sum(self.log_ratios) / len(self.log_ratios) if self.log_ratios else 0.0
+
+    def sure(self) -> bool:
+        n = len(self.log_ratios)
+        if n < HISTORY:
+            return False
+        m = self.mean()
+        sd = math.sqrt(sum((x - m) ** 2 for x in self.log_ratios) / (n - 1))
+        return abs(m) > SURE_Z * sd / math.sqrt(n)
 
 
 @dataclass
 class _Round:
     start: float
     bs: int
-    plain: bool
+    plain: bool = False
+    role: str = "run"
     tokens: int | None = None
+    switched: bool = False  # the first round after a change of mode
 
 
 class PlainRoundPolicy:
@@ -97,26 +189,19 @@ class PlainRoundPolicy:
     def __init__(self, policy_mode: str = "auto", clock=time.perf_counter, trace=None) -> None:
         self.mode = policy_mode
         self.clock = clock
-        self.rates: dict[int, Rates] = {}
+        self.comparisons: dict[int, Comparison] = {}
         self._last: _Round | None = None
-        self._modes: list[bool] = []  # the last two finished rounds' modes
+        self._last_mode: bool | None = None  # the mode of the last finished round
         self.rounds = {False: 0, True: 0}
         self.trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
 
     def choose_plain(self, bs: int) -> bool:
         if self.mode != "auto":
             return self.mode == "always"
-        r = self.rates.setdefault(bucket(bs), Rates())
-        if r.count[False] < MIN_SAMPLES:
-            return False
-        if r.count[True] < MIN_SAMPLES:
-            return True
-        best = r.rate[True] > r.rate[False]
-        r.since_probe += 1
-        if r.since_probe >= PROBE_EVERY:
-            r.since_probe = 0
-            return not best
-        return best
+        plain, role = self.comparisons.setdefault(bucket(bs), Comparison()).choose()
+        if self._last is not None:
+            self._last.role = role
+        return plain
 
     def round_started(self, bs: int) -> None:
         """A decode round of `bs` requests starts now: the previous round's rate is its
@@ -124,20 +209,21 @@ class PlainRoundPolicy:
         now = self.clock()
         last = self._last
         if last is not None and last.tokens is not None and last.bs == bs and now > last.start:
-            self.rates.setdefault(bucket(bs), Rates()).add(
-                last.plain, last.tokens / (now - last.start)
+            seconds = now - last.start
+            self.comparisons.setdefault(bucket(bs), Comparison()).add(
+                last.plain, last.role, last.switched, last.tokens, seconds
             )
             if self.trace is not None:
-                switched = len(self._modes) == 2 and self._modes[0] != self._modes[1]
-                self.trace.write(f"{bs} {int(last.plain)} {int(switched)} {last.tokens} "
-                                 f"{now - last.start:.6f}\n")  # fmt: skip
-        self._last = _Round(now, bs, plain=False)
+                self.trace.write(f"{bs} {int(last.plain)} {int(last.switched)} {last.tokens} "
+                                 f"{seconds:.6f}\n")  # fmt: skip
+        self._last = _Round(now, bs)
 
     def round_finished(self, plain: bool, tokens: int) -> None:
         if self._last is not None:
             self._last.plain = plain
             self._last.tokens = tokens
-        self._modes = [*self._modes[-1:], plain]
+            self._last.switched = self._last_mode is not None and self._last_mode != plain
+        self._last_mode = plain
         self.rounds[plain] += 1
 
     def round_abandoned(self) -> None:
@@ -145,10 +231,10 @@ class PlainRoundPolicy:
 
     def summary(self) -> str:
         parts = []
-        for b, r in sorted(self.rates.items()):
-            spec, plain = r.rate.get(False), r.rate.get(True)
-            if spec is not None and plain is not None:
-                parts.append(f"bs {b}: draft {spec:.1f} / plain {plain:.1f} tok/s")
+        for b, c in sorted(self.comparisons.items()):
+            if c.log_ratios:
+                parts.append(f"bs {b}: drafted / plain {math.exp(c.mean()):.2f} "
+                             f"({len(c.log_ratios)} comparisons)")  # fmt: skip
         return "; ".join(parts)
 
 
