@@ -204,3 +204,20 @@ def test_a_trace_records_each_measured_round_and_sums_it_up(tmp_path):
     table = plain_rounds.trace_table(path)
     assert "| 4 | drafted | " in table and "| 100.0 | 80.0 |" in table
     assert "| 4 | plain | " in table and "| 80.0 | 50.0 |" in table
+
+
+def test_nearby_large_batches_share_a_comparison_per_request():
+    """Above 4 requests a bucket spans a power of two (9-16): a batch that moves between 14 and
+    16 as requests end and start learns once, from tokens per request."""
+    assert [plain_rounds.bucket(b) for b in (1, 3, 4, 5, 8, 9, 14, 16, 17)] == [
+        1, 3, 4, 8, 8, 16, 16, 16, 32,
+    ]  # fmt: skip
+    clock = Clock()
+    policy = PlainRoundPolicy("auto", clock)
+    for rounds in range(40):  # drafting pays: 1.8 tokens a request in 0.2 s against 1 in 0.15
+        bs = 14 + rounds % 3
+        run(policy, clock, bs, 15, costs(0.20, 0.15, 1.8, bs))
+    assert set(policy.comparisons) == {16}
+    c = policy.comparisons[16]
+    assert c.sure() and math.exp(c.mean()) == pytest.approx((1.8 / 0.2) / (1 / 0.15), rel=0.05)
+    assert policy.summary().startswith("bs 9-16: drafted / plain 1.")

@@ -5,7 +5,7 @@ and accepts; it pays when the tokens it commits per second beat a plain decode's
 acceptance (temperature 1, prompts far from the drafter's data) it does not: the embedded CPU
 server ran at 0.91x plain at one user, T=1. vLLM's dynamic speculative decoding turns
 speculation off from a fixed batch-size threshold or a per-batch policy; ours measures both
-sides on this engine, per batch size:
+sides on this engine, per batch size (`bucket`):
 
 - a round's rate is the tokens it committed over the time to the next round's start (so it
   includes the scheduler's own per-round work);
@@ -16,9 +16,9 @@ sides on this engine, per batch size:
   verify's commit (the draft forward never writes context the next round reads), so the
   next speculative round drafts from the full context.
 
-Each batch size starts speculative and is compared with plain decoding in *paired* probes
-(`Comparison`): a few rounds of the other mode between rounds of the running one, the first
-round after each switch left out. The policy this replaces kept an EMA of each mode's rate and
+Each bucket of batch sizes starts speculative and is compared with plain decoding in *paired*
+probes (`Comparison`): a few rounds of the other mode between rounds of the running one, the
+first round after each switch left out. The policy this replaces kept an EMA of each mode's rate and
 probed the other mode one round in 16: at 4 users, T=1 on a 2-core CPU it decoded 42% of its
 rounds plainly and ran at 1.05x plain where drafting every round ran at 1.19x. Its trace shows
 why: the round time of both modes drifts together (lag-1 autocorrelation 0.7, still 0.27 at 32
@@ -57,7 +57,7 @@ PROBE_ROUNDS = 4  # a probe: the switch round (not measured), then 3 measured ro
 PROBE_EVERY = 16  # rounds of the chosen mode between two probes while the choice is unsure
 PROBE_EVERY_SURE = 64  # ... and once it is sure
 SURE_Z = 3.0  # sure: the mean log ratio is this many standard errors from 0
-HISTORY = 6  # paired comparisons kept per batch size
+HISTORY = 6  # paired comparisons kept per bucket
 OUTLIER = 0.25  # a round under this share of its mode's last rate spans a gap, not a round
 
 
@@ -72,8 +72,14 @@ def mode() -> str:
 
 
 def bucket(bs: int) -> int:
-    """Batch sizes measured apart: each up to 16, then powers of two."""
-    return bs if bs <= 16 else 1 << (bs - 1).bit_length()
+    """Batch sizes compared apart: each up to 4, then powers of two (5-8, 9-16, ...): at 16
+    users the batch moves between 13 and 16 as requests end and start, and a bucket per size
+    left each too few rounds to compare."""
+    return bs if bs <= 4 else 1 << (bs - 1).bit_length()
+
+
+def bucket_label(b: int) -> str:
+    return str(b) if b <= 4 else f"{b // 2 + 1}-{b}"
 
 
 @dataclass
@@ -95,7 +101,7 @@ class Block:
 
 @dataclass
 class Comparison:
-    """One batch size's paired comparisons of the two modes.
+    """One bucket of batch sizes: paired comparisons of the two modes.
 
     The mode that runs (`plain`) is probed by the other for `PROBE_ROUNDS` rounds every
     `PROBE_EVERY` rounds; a probe's measured rounds are compared with the running mode's
@@ -132,8 +138,8 @@ class Comparison:
             return not self.plain, "probe"
         return self.plain, self.phase
 
-    def add(self, plain: bool, role: str, switched: bool, tokens: int, seconds: float) -> None:
-        """A measured round of this batch size."""
+    def add(self, plain: bool, role: str, switched: bool, tokens: float, seconds: float) -> None:
+        """A measured round of this bucket: tokens per request, seconds."""
         rate = tokens / seconds
         ref = self.last_rate.get(plain)
         if switched or (ref is not None and rate < OUTLIER * ref):
@@ -211,8 +217,8 @@ class PlainRoundPolicy:
         if last is not None and last.tokens is not None and last.bs == bs and now > last.start:
             seconds = now - last.start
             self.comparisons.setdefault(bucket(bs), Comparison()).add(
-                last.plain, last.role, last.switched, last.tokens, seconds
-            )
+                last.plain, last.role, last.switched, last.tokens / bs, seconds
+            )  # tokens per request: a bucket holds several batch sizes
             if self.trace is not None:
                 self.trace.write(f"{bs} {int(last.plain)} {int(last.switched)} {last.tokens} "
                                  f"{seconds:.6f}\n")  # fmt: skip
@@ -233,7 +239,7 @@ class PlainRoundPolicy:
         parts = []
         for b, c in sorted(self.comparisons.items()):
             if c.log_ratios:
-                parts.append(f"bs {b}: drafted / plain {math.exp(c.mean()):.2f} "
+                parts.append(f"bs {bucket_label(b)}: drafted / plain {math.exp(c.mean()):.2f} "
                              f"({len(c.log_ratios)} comparisons)")  # fmt: skip
         return "; ".join(parts)
 
