@@ -121,7 +121,11 @@ def print_table(peak: float, peak_src: str) -> None:
     for r in ROWS:
         gbs = r["bytes"] / (r["ours_ms"] * 1e-3) / 1e9
         theirs = r["sglang_ms"]
-        t_col = f"{theirs * 1e3:>10.1f} {r['ours_ms'] / theirs:>11.2f}" if theirs else f"{'-':>10} {'-':>11}"
+        t_col = (
+            f"{theirs * 1e3:>10.1f} {r['ours_ms'] / theirs:>11.2f}"
+            if theirs
+            else f"{'-':>10} {'-':>11}"
+        )
         bw = f"{gbs:>7.0f} {100 * gbs / peak:>6.0f}%" if GPU else f"{'-':>7} {'-':>7}"
         print(f"{r['kernel']:<40} {r['bytes'] / 1e6:>7.2f} {r['ours_ms'] * 1e3:>9.1f} {bw} "
               f"{r['reference_ms'] * 1e3:>10.1f} "
@@ -188,7 +192,10 @@ def index_topk_case(batch: Batch, topk: int) -> None:
     reqs_c4 = sum((p + n) // 4 for n, p in zip(batch.verify_lens, batch.prefix_lens))
     nbytes = reqs_c4 * 132 + batch.tokens * (64 * 128 + 64 * 4 + topk * 4)
     theirs = None
-    transform, meta = sglang_kernel("topk_transform_paged"), sglang_kernel("get_paged_mqa_logits_metadata")
+    transform, meta = (
+        sglang_kernel("topk_transform_paged"),
+        sglang_kernel("get_paged_mqa_logits_metadata"),
+    )
     if transform is not None and meta is not None:
         import deep_gemm
 
@@ -283,12 +290,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=64 if GPU else 4)
     parser.add_argument("--context", type=int, default=8192 if GPU else 512)
     parser.add_argument("--topk", type=int, default=512 if GPU else 64)
-    parser.add_argument("--peak-gbs", type=float, default=None,
-                        help="the device's peak memory bandwidth (default: datasheet / measured)")
+    parser.add_argument(
+        "--peak-gbs",
+        type=float,
+        default=None,
+        help="the device's peak memory bandwidth (default: datasheet / measured)",
+    )
     args = parser.parse_args(argv)
     batch = Batch(args.requests, args.context)
-    name = torch.cuda.get_device_name() if GPU else "CPU, Triton interpreter (times measure nothing)"
-    print(f"{args.requests} requests, {batch.tokens} verify tokens, ~{args.context} context, {name}")
+    name = (
+        torch.cuda.get_device_name() if GPU else "CPU, Triton interpreter (times measure nothing)"
+    )
+    print(
+        f"{args.requests} requests, {batch.tokens} verify tokens, ~{args.context} context, {name}"
+    )
     measured = copy_bandwidth_gbs() if GPU else None
     if args.peak_gbs:
         peak, src = args.peak_gbs, "--peak-gbs"

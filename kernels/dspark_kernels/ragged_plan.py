@@ -281,4 +281,8 @@ def pack_compress_plans(plan_c: torch.Tensor, plan_w: torch.Tensor):
 def _u32_bytes(words: torch.Tensor) -> torch.Tensor:
     """int64 `[n, k]` holding uint32 values -> little-endian uint8 `[n, 4k]`."""
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
-    return ((words[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(words.shape[0], 4 * words.shape[1])
+    return (
+        ((words[..., None] >> shifts) & 0xFF)
+        .to(torch.uint8)
+        .reshape(words.shape[0], 4 * words.shape[1])
+    )
