@@ -38,12 +38,12 @@ cell (every arm) is run again, up to `--max-reruns` times; `report.md` lists eve
 any cell still out of line.
 
 Writes into `--out`: `report.md` (mean and 95% interval over rounds of every number, the
-control's verdicts, the gains round by round: `--arm` against `--baseline` with the figures,
-then every other speculative arm against the same baseline), `stages.csv` (one row per stage,
-in the order they ran, re-runs and replaced stages included), `samples.csv` (one row per
-request: arm, level, round, start, TTFT, e2e, tokens, accept and verify length),
-`arms/<arm>/sla_summary.json` (rounds merged, per-round values kept, no samples) and the Pareto figures of `sglang-dspark
-pareto` for both views: `pareto.png` (TTFT included) and `no-ttft/pareto.png`. The locust
+control's verdicts, every arm over each `--ratio-to` arm round by round, the frontier gains:
+`--arm` against `--baseline` with the figures, then every other speculative arm against the
+same baseline), `stages.csv` (one row per stage, in the order they ran, re-runs and replaced
+stages included), `samples.csv` (one row per request: arm, level, round, start, TTFT, e2e,
+tokens, accept and verify length), `arms/<arm>/sla_summary.json` (rounds merged, per-round
+values kept, no samples) and the Pareto figures of `sglang-dspark pareto` for both views: `pareto.png` (TTFT included) and `no-ttft/pareto.png`. The locust
 dumps go to a temporary directory unless `--raw DIR`.
 """
 
@@ -293,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="one more arm: BASE with environment settings or draft=DIR "
                         "(repeatable)")  # fmt: skip
     parser.add_argument("--ratio-to", default=None,
-                        help="the arm every other arm's throughput is divided by "
-                        "(default: plain, else the first arm)")  # fmt: skip
+                        help="the arm every other arm's throughput is divided by, round by "
+                        "round (default: plain, else the first arm); a comma list gives one "
+                        "table per arm")  # fmt: skip
     parser.add_argument("--raw", type=Path, default=None, help="keep the locust dumps here")
     args = parser.parse_args(argv)
 
@@ -310,9 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(known)} or add --variant")
     names += [label for label in known if label not in ARMS and label not in names]
-    ref = args.ratio_to or ("plain" if "plain" in names else names[0])
-    if ref not in names:
-        parser.error(f"--ratio-to {ref}: not among the arms run ({', '.join(names)})")
+    refs = [r.strip() for r in (args.ratio_to or "").split(",") if r.strip()] or [
+        "plain" if "plain" in names else names[0]
+    ]
+    for ref in refs:
+        if ref not in names:
+            parser.error(f"--ratio-to {ref}: not among the arms run ({', '.join(names)})")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1 (3 or more for confidence intervals)")
     levels = [int(u) for u in args.users.split(",")]
@@ -405,7 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             f"\n## Every other speculative arm against {base_label}\n\n" + "\n\n".join(views) + "\n"
         )
     cmd = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    ratios = ratio_table(arms, ref) if len(names) > 1 else "(one arm)"
+    ratios = "\n\n".join(
+        f"## Against {ref}, round by round\n\n"
+        + (ratio_table(arms, ref) if len(names) > 1 else "(one arm)")
+        for ref in refs
+    )
     control = "\n".join(f"- {n}" for n in notes) or (
         "- every cell's plain throughput within the tolerance of its other rounds"
         if "plain" in names and args.rounds >= 3
@@ -413,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = (
         f"# Pareto on the embedded CPU default\n\n`{cmd}`\n\nMean over rounds [95% CI]; x and y "
-        f"of a point from the same requests.\n\n{table(arms)}\n\n## Against {ref}, round by round\n\n"
+        f"of a point from the same requests.\n\n{table(arms)}\n\n"
         f"{ratios}\n\n## Contamination control "
         f"(plain, tolerance {args.control_tolerance:.0%})\n\n{control}\n\n"
         f"## Pareto, TTFT included (pareto.png)\n\n```\n{render(sla_view)}\n```\n\n"

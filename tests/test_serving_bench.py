@@ -174,7 +174,7 @@ def test_a_variant_is_its_base_arm_with_one_change_and_ratios_are_paired(
     monkeypatch.setattr(mod, "run_stage", fake_stage(calls, contaminated=None))
     out = tmp_path / "out"
     argv = ["--out", str(out), "--arms", "dspark-static,dspark-sync", "--users", "1,4",
-            "--rounds", "3", "--ratio-to", "dspark-static",
+            "--rounds", "3", "--ratio-to", "dspark-static,off",
             "--variant", "off=dspark-sync:SGLANG_DSPARK_DISABLE_HOOKS=a,b:draft=/tmp/d"]  # fmt: skip
     assert mod.main(argv) == 0
     off = server.arms["off"]
@@ -189,6 +189,9 @@ def test_a_variant_is_its_base_arm_with_one_change_and_ratios_are_paired(
     # the synthetic speeds: 14 / 11 for sync and 7 / 11 for off, the same in every round
     assert "| dspark-sync | 4 | 1.273 [1.273, 1.273] |" in report
     assert "| off | 1 | 0.636 [0.636, 0.636] |" in report
+    # a second --ratio-to arm: its own table, the same rounds paired (11 / 7 at one user)
+    against_off = report.split("## Against off, round by round")[1].split("## Contamination")[0]
+    assert "| dspark-static | 1 | 1.571 [1.571, 1.571] |" in against_off
 
 
 def test_every_other_speculative_arm_is_compared_with_the_baseline(bench, monkeypatch, tmp_path):
