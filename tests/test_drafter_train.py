@@ -554,6 +554,38 @@ def test_time_limit_exports_at_a_step_boundary_and_resumes(setup):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_sigterm_checkpoints_the_running_step_and_resumes_exactly(setup, monkeypatch, capsys):
+    """SIGTERM mid-step (a pod evicted): the step finishes, a checkpoint of it is saved (not
+    the one of 3 steps before), the CLI exits 128 + 15 with the handlers restored, and a rerun
+    continues to the planned steps exactly as an uninterrupted run."""
+    root, target = setup
+    cfg = _cfg(root, target, "sigterm", steps=6, checkpoint_every=3)
+    path = _write_config(cfg, root / "sigterm.json")
+    step_once = Trainer.train_step
+
+    def step_then_signal(self):
+        if self.step == 4:  # the 5th step: the last checkpoint was step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step_once(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["--config", str(path)]) == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    ckpt = Path(cfg.out_dir) / "checkpoints" / "latest.pt"
+    assert torch.load(ckpt, weights_only=True)["step"] == 5
+    assert str(ckpt) in capsys.readouterr().out
+    monkeypatch.setattr(Trainer, "train_step", step_once)
+    resumed = Trainer(cfg)
+    assert resumed.step == 5
+    resumed.train()
+    straight = Trainer(_cfg(root, target, "sigterm-straight", steps=6)).train()
+    a, b = _weights(root / "sigterm"), load_file(str(straight / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in (root / "sigterm" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == list(range(1, 7))  # no step lost, none redone
+
+
 def test_grown_drafter_computes_the_loaded_function_then_trains_its_new_layer(setup):
     """grow_layers appends copies of the last layer with zeroed output projections: the
     grown drafter's logits equal the loaded drafter's exactly; training then moves them."""

@@ -69,9 +69,12 @@ def run(args: argparse.Namespace) -> int:
     d = _init_distributed(resolve_device(cfg.device))
     try:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        out = build_trainer(cfg, dist_ctx=d).train()
+        trainer = build_trainer(cfg, dist_ctx=d)
+        out = trainer.train()
         if d.main:
             print(out)
+        if trainer.stop_signal is not None:  # stopped early by SIGTERM/SIGINT, checkpoint saved
+            return 128 + trainer.stop_signal
     finally:
         if d.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Where a training run executes: device choice, torch.distributed, phase timing."""
+"""Where a training run executes: device choice, torch.distributed, phase timing, stop signals."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,40 @@ class PhaseTimer:
         finally:
             self._sync()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+class StopSignals:
+    """SIGTERM (a pod evicted, a job preempted, ``kill``) or Ctrl-C during training: the running
+    step finishes, a checkpoint is saved and the run exits; a second signal acts at once.
+
+    ``with StopSignals() as stop:`` installs the handlers (main thread only; elsewhere it
+    installs nothing) and restores the previous ones on exit; ``stop.signum`` is the signal
+    received, or None."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+        self._restore()  # the next one is handled as before: Ctrl-C twice interrupts at once
+        logger.warning("%s received: stopping after this step with a checkpoint (send it again "
+                       "to stop at once)", signal.Signals(signum).name)  # fmt: skip
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
 
 
 def resolve_device(name: str) -> torch.device:

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,7 @@ from sglang_dspark.drafter.training.growth import (
 from sglang_dspark.drafter.training.held_out import HeldOutMixin
 from sglang_dspark.drafter.training.runtime import (
     PhaseTimer,
+    StopSignals,
     _Dist,
     _use_bf16,
     resolve_device,
@@ -472,38 +474,51 @@ class Trainer(BatchingMixin, HeldOutMixin):
             if self.step == 0 and self.step < end:
                 self._log_eval(evals)
         t0, tokens = time.perf_counter(), 0
-        boxed = False
+        boxed = signalled = False
+        self.stop_signal: int | None = None
         try:
-            while self.step < end and not boxed:
-                stats = self.train_step()
-                tokens += stats.tokens
-                elapsed = time.perf_counter() - t0
-                tok_s = tokens / max(elapsed, 1e-9)
-                boxed = self._time_box_reached(elapsed)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{stats.loss:.4f}", acc=f"{stats.accept:.3f}", tok_s=f"{tok_s:.0f}"
-                    )
-                if metrics is not None:
-                    rec = {"step": self.step, **dataclasses.asdict(stats), "tok_s": tok_s,
-                           "elapsed_s": elapsed, "lm_head_budget": self.lm_head_budget}  # fmt: skip
-                    metrics.write(json.dumps(rec) + "\n")
-                    metrics.flush()
-                if cfg.eval_data and (
-                    (cfg.eval_every and self.step % cfg.eval_every == 0)
-                    or self.step == self.total_steps
-                    or boxed
-                ):
-                    self._log_eval(evals)
-                if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or boxed:
-                    self.save_checkpoint()
+            with StopSignals() as stop:
+                while self.step < end and not (boxed or signalled):
+                    stats = self.train_step()
+                    tokens += stats.tokens
+                    elapsed = time.perf_counter() - t0
+                    tok_s = tokens / max(elapsed, 1e-9)
+                    boxed, signalled = self._stop_requested(elapsed, stop.signum is not None)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{stats.loss:.4f}", acc=f"{stats.accept:.3f}",
+                                        tok_s=f"{tok_s:.0f}")  # fmt: skip
+                    if metrics is not None:
+                        rec = {"step": self.step, **dataclasses.asdict(stats), "tok_s": tok_s,
+                               "elapsed_s": elapsed, "lm_head_budget": self.lm_head_budget}  # fmt: skip
+                        metrics.write(json.dumps(rec) + "\n")
+                        metrics.flush()
+                    if (
+                        cfg.eval_data
+                        and not signalled
+                        and (
+                            (cfg.eval_every and self.step % cfg.eval_every == 0)
+                            or self.step == self.total_steps
+                            or boxed
+                        )
+                    ):
+                        self._log_eval(evals)
+                    if (self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps
+                            or boxed or signalled):  # fmt: skip
+                        self.save_checkpoint()
+            # a rank stopped by another rank's signal reports SIGTERM
+            self.stop_signal = (stop.signum or int(signal.SIGTERM)) if signalled else None
         finally:
             if bar is not None:
                 bar.close()
             for fh in (metrics, evals):
                 if fh is not None:
                     fh.close()
+        if signalled and self.step < self.total_steps:
+            if self.dist.main:
+                logger.warning("stopped by a signal at step %d of %d: checkpoint saved (rerun "
+                               "with the same --out-dir to continue)", self.step, self.total_steps)  # fmt: skip
+            return self.ckpt_path
         if boxed and self.step < self.total_steps:
             if self.dist.main:
                 logger.warning(
@@ -517,14 +532,16 @@ class Trainer(BatchingMixin, HeldOutMixin):
         # stop_after: like an interruption, steps since the last checkpoint are not saved.
         return self.ckpt_path
 
-    def _time_box_reached(self, elapsed: float) -> bool:
-        """Every rank stops at the same step (rank 0's clock decides)."""
-        if self.cfg.time_limit_s is None:
-            return False
-        flag = torch.tensor([float(elapsed >= self.cfg.time_limit_s)], device=self.dist.device)
+    def _stop_requested(self, elapsed: float, signalled: bool) -> tuple[bool, bool]:
+        """(time limit reached, stop signal received), the same on every rank so that all stop
+        at the same step: rank 0's clock decides the time limit; a signal to any rank stops all."""
+        limit = self.cfg.time_limit_s
+        boxed = self.dist.main and limit is not None and elapsed >= limit
         if self.dist.world > 1:
-            dist.broadcast(flag, src=0)
-        return bool(flag.item())
+            flags = torch.tensor([float(boxed), float(signalled)], device=self.dist.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            boxed, signalled = bool(flags[0].item()), bool(flags[1].item())
+        return boxed, signalled
 
     def export(self) -> Path:
         out = self.out_dir / "draft"
