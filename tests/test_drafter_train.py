@@ -193,6 +193,25 @@ def test_feature_cache_runs_the_target_once_per_sequence_and_changes_nothing(set
         torch.testing.assert_close(cached[k], uncached[k], rtol=1e-4, atol=1e-6)
 
 
+def test_a_run_within_one_epoch_caches_nothing(setup, caplog):
+    """6 steps of 4 over 24 sequences read each once: with a cache budget the target still runs
+    per micro-batch over what the step reads (no group computed ahead), nothing is held, and the
+    log says why."""
+    root, target = setup
+    trainer = Trainer(_cfg(root, target, "one-epoch", steps=6, feature_cache_gb=1.0))
+    calls = []
+
+    def counted(ids, *a, _original=trainer.target.features, **k):
+        calls.append(ids.shape[0])
+        return _original(ids, *a, **k)
+
+    trainer.target.features = counted
+    with caplog.at_level("INFO"):
+        trainer.train()
+    assert calls == [2] * 12 and not trainer._features_cache
+    assert "feature cache: off, 6 steps of 4 read each of the 24 sequences" in caplog.text
+
+
 def test_resume_matches_uninterrupted_run(setup):
     """8 steps, checkpoint every 3; stop after 5 (step 4-5 lost), resume, finish."""
     root, target = setup

@@ -174,13 +174,22 @@ class BatchingMixin:
 
     def _plan_cache(self) -> None:
         """The cacheable groups: training sequences sorted by length (then index), in groups
-        of target_batch_size, admitted in that order while the budget holds them. A function
-        of the data and the config only."""
+        of target_batch_size, admitted in that order while the budget holds them. No group when
+        the run reads each sequence at most once (steps x global batch within one epoch): a cached
+        group would only be computed ahead and held, never read again. A function of the data
+        and the config only."""
+        self._groups = []
+        reads = self.total_steps * self.cfg.global_batch_size
+        if reads <= len(self.sequences):
+            if self.dist.main and self.cfg.feature_cache_gb:
+                logger.info("feature cache: off, %d steps of %d read each of the %d sequences at "
+                            "most once", self.total_steps, self.cfg.global_batch_size,
+                            len(self.sequences))  # fmt: skip
+            return
         order = sorted(range(len(self.sequences)),
                        key=lambda i: (self.sequences[i].input_ids.numel(), i))  # fmt: skip
         budget, row = self.cfg.feature_cache_gb * 2**30, self._feature_row_bytes()
         g, used = max(1, self.cfg.target_batch_size), 0
-        self._groups = []
         for start in range(0, len(order), g):
             group = order[start : start + g]
             size = row * sum(self.sequences[i].input_ids.numel() for i in group)
