@@ -26,8 +26,9 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from sglang_dspark.evaluation import decoding, runner
-    from sglang_dspark.evaluation.benchmarks import default_eval_dir, encode_chat, load_prompts
+    from sglang_dspark.evaluation.benchmarks import default_eval_dir, load_prompts
     from sglang_dspark.serving import embedded
+    from sglang_dspark.serving.client import chat_prompt_ids
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=None, help="draft dir (default: the shipped drafter)")
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     )
     tok = AutoTokenizer.from_pretrained(paths.target)
     prompts = {
-        b: [encode_chat(tok, t) for t in load_prompts(default_eval_dir(), b, args.limit)]
+        b: [chat_prompt_ids(tok, t) for t in load_prompts(default_eval_dir(), b, args.limit)]
         for b in ("gsm8k", "humaneval", "mt-bench")
     }
     target, proposer = runner.load_models(paths.target, args.draft or paths.draft)

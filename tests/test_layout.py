@@ -1,6 +1,7 @@
-"""The package's layout: no import circles (module-level or inside functions), the trainer
-base module imports none of its subclasses, the plugin registry none of the hooks it checks,
-and every top-level folder of the package named in the README's table."""
+"""The package's layout: no import circles (module-level or inside functions, between modules
+or between top-level folders), the trainer base module imports none of its subclasses, the
+plugin registry none of the hooks it checks, and every top-level folder of the package named in
+the README's table."""
 
 from __future__ import annotations
 
@@ -84,6 +85,31 @@ def test_no_import_circles():
     graph["sglang_dspark.scheduling.sps"].add("sglang_dspark.serving.embedded")
     graph["sglang_dspark.serving.embedded"].add("sglang_dspark.scheduling.sps")
     assert cycles(graph)
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded to the package's top-level folders (cli.py and __init__ apart)."""
+
+    def top(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 2 else module
+
+    folded: dict[str, set[str]] = {top(m): set() for m in graph}
+    for m, targets in graph.items():
+        folded[top(m)] |= {top(t) for t in targets} - {top(m)}
+    return folded
+
+
+def test_no_circles_between_top_level_folders():
+    """A folder either uses another or is used by it: drafter never reaches back to v4 or
+    serving, serving never to evaluation."""
+    graph = import_graph()
+    folded = package_graph(graph)
+    assert {"drafter", "serving", "evaluation", "v4"} <= set(folded)
+    assert cycles(folded) == []
+    # the folding itself finds a circle two modules apart
+    graph["sglang_dspark.serving.client"].add("sglang_dspark.evaluation.benchmarks")
+    assert cycles(package_graph(graph))
 
 
 def test_base_trainer_and_plugin_registry_import_no_subclass_or_hook():

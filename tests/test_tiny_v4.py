@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sglang_dspark.drafter.formats.v4_names import to_deepseek_names
 from sglang_dspark.v4 import tiny
 
 HERE = Path(__file__).parent
@@ -178,7 +179,7 @@ def test_transformers_reads_the_target_back_exactly(built, tensors):
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert not info["mismatched_keys"]
-    back = tiny.to_deepseek_names(model.state_dict())
+    back = to_deepseek_names(model.state_dict())
     target = {n: t for n, t in tensors.items() if not n.startswith("mtp.")}
     assert set(back) == set(target)
     assert [n for n, t in target.items() if not torch.equal(back[n].to(t.dtype), t)] == []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 DEFAULT_BENCHMARKS = ("gsm8k", "humaneval", "mt-bench")
 DOMAINS = {"gsm8k": "math", "humaneval": "code", "mt-bench": "chat"}
@@ -52,13 +51,3 @@ def load_prompts(eval_dir: str | Path, benchmark: str, limit: int | None = None)
     if not prompts:
         raise ValueError(f"{path} holds no prompt")
     return prompts
-
-
-def encode_chat(tokenizer: Any, prompt: str) -> list[int]:
-    """The prompt as one user turn through the target's chat template (raw text without one)."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(prompt)["input_ids"])

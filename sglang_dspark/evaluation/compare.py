@@ -42,11 +42,11 @@ import numpy as np
 from sglang_dspark.evaluation.benchmarks import (
     DEFAULT_BENCHMARKS,
     default_eval_dir,
-    encode_chat,
     load_prompts,
 )
 from sglang_dspark.evaluation.metrics import DEFAULT_THRESHOLDS, RunRecord, build_results
 from sglang_dspark.evaluation.report import write_outputs
+from sglang_dspark.serving.client import chat_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Path]:
     eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
     texts = {b: load_prompts(eval_dir, b, args.limit) for b in args.benchmarks}
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompts = {b: [encode_chat(tokenizer, t) for t in ts] for b, ts in texts.items()}
+    prompts = {b: [chat_prompt_ids(tokenizer, t) for t in ts] for b, ts in texts.items()}
     eos = eos_ids(args.target, tokenizer)
 
     records: dict[str, list[RunRecord]] = {}

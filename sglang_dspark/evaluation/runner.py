@@ -24,7 +24,6 @@ from sglang_dspark.drafter.training.target import TargetAdapter
 from sglang_dspark.evaluation.benchmarks import (
     DEFAULT_BENCHMARKS,
     default_eval_dir,
-    encode_chat,
     load_prompts,
 )
 from sglang_dspark.evaluation.decoding import (
@@ -37,6 +36,7 @@ from sglang_dspark.evaluation.decoding import (
 )
 from sglang_dspark.evaluation.metrics import DEFAULT_THRESHOLDS, RunRecord, build_results
 from sglang_dspark.evaluation.report import write_outputs
+from sglang_dspark.serving.client import chat_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def run_evaluation(cfg: EvalConfig) -> dict[str, Path]:
             f"cannot load the target tokenizer from {cfg.target} ({e}); the target directory "
             "must hold its tokenizer files (tokenizer.json / tokenizer_config.json)."
         ) from e
-    prompts = {b: [encode_chat(tokenizer, t) for t in ts] for b, ts in texts.items()}
+    prompts = {b: [chat_prompt_ids(tokenizer, t) for t in ts] for b, ts in texts.items()}
     logger.info(
         "evaluating %s on %s (gamma %d, T %s, %d new tokens)",
         cfg.draft,

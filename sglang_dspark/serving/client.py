@@ -7,11 +7,15 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 
-def chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
-    """One user turn through the target's chat template (the evaluator's encoding)."""
-    from sglang_dspark.evaluation.benchmarks import encode_chat
-
-    return encode_chat(tokenizer, user_text)
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as one user turn through the target's chat template (raw text without one):
+    how the evaluator, the audit and the benchmarks encode a prompt for the target."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
 
 
 def generate_ids(

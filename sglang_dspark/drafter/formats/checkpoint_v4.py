@@ -22,7 +22,7 @@ layer>`` under DeepSeek's names (``attn.wq_a``, ``attn.wkv``, ``attn.kv_norm``, 
 ``ffn_norm``), ``mtp.0.main_proj`` [H, m*H] and ``mtp.0.main_norm``; on the last stage
 ``norm``, ``hc_head_{fn,base,scale}``, ``markov_head.{embed,head}`` [V, r] and
 ``confidence_head.proj`` [1, H + r]. Dtypes are those of SGLang's parameters
-(``tiny.storage_dtype``: bf16, float32 for mHC, sinks, router bias and confidence head).
+(``v4_names.storage_dtype``: bf16, float32 for mHC, sinks, router bias and confidence head).
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ from safetensors.torch import save_file
 from sglang_dspark.drafter.config import DraftConfigError
 from sglang_dspark.drafter.dspark_v4 import DSparkV4Drafter, V4DraftConfig, is_v4_config
 from sglang_dspark.drafter.formats.checkpoint import DraftCheckpointError, read_safetensors
-from sglang_dspark.v4.tiny import from_deepseek_names, storage_dtype, to_draft_stage_names
+from sglang_dspark.drafter.formats.v4_names import (
+    from_deepseek_names,
+    storage_dtype,
+    to_draft_stage_names,
+)
 
 logger = logging.getLogger(__name__)
 
