@@ -3,7 +3,8 @@
 #
 #   experiments/sts_refit.sh OUT_DIR        (about 20 min on 2 idle cores)
 #   DRAFT=DIR DATA=recipes/data/smollm2-regen-t07 experiments/sts_refit.sh OUT_DIR
-#       (a new drafter; the prompt ids of the data it was trained on left out too)
+#       (a new drafter, with its draft_vocab/ as served; the prompt ids of the data it was
+#       trained on left out too)
 #
 # Fit: 128 training-style prompts the drafter never trained on (`data prompts --seed 7`, the
 # drafter's training prompt ids left out), 64 new tokens each, sampled at T=1 by the embedded
@@ -20,6 +21,15 @@ BIN=${BIN:-$REPO/.venv/bin}
 SHIPPED=$REPO/sglang_dspark/assets/smollm2-dspark/sts.json
 DRAFT=${DRAFT:-}  # a drafter directory to calibrate (default: the embedded one)
 DATA=${DATA:-}    # training data directories whose prompt ids are left out too (space-separated)
+# Blocks must come from the drafter as it is served: the embedded one drafts from its 16k
+# draft vocabulary (draft_vocab/), and a DRAFT without it would calibrate full-vocabulary drafts.
+if [[ -n $DRAFT && ! -f $DRAFT/draft_vocab/vocab.safetensors && -z ${FULL_VOCAB:-} ]]; then
+    echo "DRAFT=$DRAFT has no draft_vocab/vocab.safetensors, so its blocks would be drafted from" \
+        "the full vocabulary, not as the embedded server drafts: copy" \
+        "sglang_dspark/assets/smollm2-dspark/draft_vocab into it (or set FULL_VOCAB=1 to" \
+        "calibrate full-vocabulary drafting)" >&2
+    exit 2
+fi
 mkdir -p "$OUT"
 
 # The drafter's training prompts (assets/smollm2-dspark/README.md), for their ids only.
