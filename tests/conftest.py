@@ -154,6 +154,14 @@ class ServerPool:
 
     broken = staticmethod(broken_sampler)
 
+    def retire(self, server) -> None:
+        """Stop `server` and forget it: the next `get` with its key starts a fresh one (after a
+        test changed it for good, e.g. `verify_every_draft`)."""
+        for key, live in list(self.live.items()):
+            if live is server:
+                del self.live[key]
+        server.stop()
+
     def stop_all(self):
         for server in self.live.values():
             server.stop()
