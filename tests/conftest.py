@@ -54,7 +54,7 @@ def verify_every_draft(server) -> None:
     profile trims a random draft's windows (on one CI machine it trimmed every window to none).
     It holds until the server stops: upstream's request schema takes numbers only and refuses
     the null that would hand the budget back to the scheduler (HTTP 400), so call it in the
-    tests that run last on their server."""
+    tests that run last on their server, or retire the server after it (`ServerPool.retire`)."""
     body = {"server_args": {"dspark_force_budget_frac": 1.0}}
     r = requests.post(server.base_url + "/set_internal_state", json=body, timeout=60)
     r.raise_for_status()
