@@ -2,8 +2,9 @@
 
 A server start costs about a minute on 2 cores, so servers are started lazily, keyed by their
 configuration, shared by every test in the session, and stopped at the end. At most five run
-at once (each idle one sleeps, `--sleep-on-idle`, but holds 2-3 GB), and the test files order
-their tests so that few are started twice.
+at once (each idle one sleeps, `--sleep-on-idle`, but holds 2-3 GB), the test files order
+their tests so that few are started twice, and a configuration only one test uses is retired
+after it (`ServerPool.retire`).
 """
 
 from __future__ import annotations
@@ -155,8 +156,10 @@ class ServerPool:
     broken = staticmethod(broken_sampler)
 
     def retire(self, server) -> None:
-        """Stop `server` and forget it: the next `get` with its key starts a fresh one (after a
-        test changed it for good, e.g. `verify_every_draft`)."""
+        """Stop `server` and forget it: the next `get` with its key starts a fresh one. After a
+        test changed it for good (`verify_every_draft`), or after the last test that asks for
+        its configuration: the room goes to shared servers that LRU eviction would otherwise
+        stop and a later file start again (about a minute each)."""
         for key, live in list(self.live.items()):
             if live is server:
                 del self.live[key]

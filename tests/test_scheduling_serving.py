@@ -76,7 +76,8 @@ def traced(servers, embedded_paths, tmp_path_factory):
         env={"SGLANG_DSPARK_STS_COLLECT_PATH": str(out / "collect"),
              "SGLANG_DSPARK_VERIFY_TRACE": str(out / "trace")},
     )  # fmt: skip
-    return server, out
+    yield server, out
+    servers.retire(server)  # no other test asks for it: room in the pool for test_serving's
 
 
 def test_sts_data_collected_from_a_scheduling_server_keeps_the_verify_window(traced, prompt_ids):
