@@ -170,6 +170,12 @@ def _reference_logprobs(model, ids: list[int]) -> torch.Tensor:
 _ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _along(ref: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """The log-probability of every token of `ids` after the first (`ref`: log-probabilities
+    along `ids`)."""
+    return ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
 def _reference_rows(model, prompt: list[int], output: list[int]):
     """Under `model` along prompt + output: the log-probability of every token after the first,
     and the full distributions the output tokens were drawn from (all the checks read; kept
@@ -179,8 +185,7 @@ def _reference_rows(model, prompt: list[int], output: list[int]):
     if key not in _ROWS:
         ids = prompt + output
         ref = _reference_logprobs(model, ids)
-        along = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-        _ROWS[key] = along, ref[len(prompt) - 1 : -1].clone()
+        _ROWS[key] = _along(ref, ids), ref[len(prompt) - 1 : -1].clone()
     return _ROWS[key]
 
 
@@ -255,8 +260,7 @@ def test_the_check_can_fail(greedy, prompts, reference, monkeypatch):
     monkeypatch.setattr(hf.DeepseekV4CSACompressor, "forward", no_compressed_entries)
     for prompt, response in zip(prompts, greedy):
         ids = prompt + response["output_ids"]
-        ref = _reference_logprobs(reference, ids)
-        along = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        along = _along(_reference_logprobs(reference, ids), ids)
         mean, p99, _ = _summary(_differences(along, response))
         assert mean > MEAN_ABS and p99 > P99_ABS, (len(prompt), mean, p99)
 
