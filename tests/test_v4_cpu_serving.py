@@ -212,10 +212,10 @@ def test_greedy_text_is_deterministic(server, prompts, greedy):
 def _check_against_reference(model, prompts, responses) -> None:
     worst = []
     for prompt, response in zip(prompts, responses):
+        # steps: the distributions the greedy tokens were drawn from
         along, steps = _reference_rows(model, prompt, response["output_ids"])
         diff = _differences(along, response)
         worst.append((len(prompt), *(round(x, 4) for x in _summary(diff))))
-        # steps: the distributions the greedy tokens were drawn from
         chosen = steps.gather(1, torch.tensor(response["output_ids"])[:, None])[:, 0]
         gap = steps.max(dim=-1).values - chosen  # how far each greedy pick is from the best
         assert gap.max() <= GAP_ABS, f"{len(prompt)}-token prompt: greedy gap {gap.tolist()}"
