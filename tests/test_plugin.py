@@ -59,6 +59,7 @@ UPSTREAM_FAILURE = {
     "v4_cpu_compressor": "Found no NVIDIA driver",
     "v4_cpu_norm_rope": "Failed to build JIT module",
     "v4_cpu_index_topk": "ran SGLang's torch top-k, no dspark_kernels call",
+    "v4_cpu_index_live_pages": "gathered page-table columns past every row's length",
     "v4_cpu_mhc": "hc_split_sinkhorn's TileLang kernel failed on CPU",
     "v4_cpu_swiglu_clamp": "moe_forward_native ignored swiglu_limit",
     "cpu_paged_last_loc": "0 active drivers",

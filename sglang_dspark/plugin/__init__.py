@@ -57,6 +57,7 @@ def _hooks():
         v4_cpu_attention,
         v4_cpu_compressor,
         v4_cpu_defaults,
+        v4_cpu_index_pages,
         v4_cpu_index_topk,
         v4_cpu_kv_pool,
         v4_cpu_metadata,
@@ -97,6 +98,7 @@ def _hooks():
         **v4_cpu_compressor.HOOKS,
         **v4_cpu_norm_rope.HOOKS,
         **v4_cpu_index_topk.HOOKS,
+        **v4_cpu_index_pages.HOOKS,
         **v4_cpu_mhc.HOOKS,
         **v4_cpu_moe.HOOKS,
     }

@@ -192,6 +192,7 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
     "sglang.kernels.ops.attention.flash_mla_sm120._gather_and_dequant": (
         "(k_cache, indices, page_size)"
     ),
+    "sglang.kernels.ops.attention.flash_mla_sm120._D": None,
     # v4_cpu_compressor
     "sglang.srt.layers.attention.dsv4.compressor_v2.create_paged_compressor_data": (
         "(compress_ratio, *, is_prefill, token_to_kv_pool, req_to_token, req_pool_indices, "
@@ -240,6 +241,11 @@ UPSTREAM_SIGNATURES: dict[str, str | None] = {
         "(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices=None)"
     ),
     "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer": None,
+    # v4_cpu_index_live_pages
+    "sglang.srt.layers.attention.dsv4.indexer.fp8_paged_mqa_logits_torch": (
+        "(q_fp8, kvcache_fp8, weight, seq_lens, page_table, deep_gemm_metadata, max_seq_len, "
+        "clean_logits=True)"
+    ),
     # v4_cpu_swiglu_clamp
     "sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp": (
         "(input, output, swiglu_limit)"
@@ -293,6 +299,7 @@ DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
     ),
     "v4_cpu_sparse_attention": (
         "sglang.kernels.ops.attention.flash_mla_sm120._gather_and_dequant",
+        "sglang.kernels.ops.attention.flash_mla_sm120._D",
     ),
     "v4_cpu_compressor": (
         "sglang.srt.layers.attention.dsv4.compressor_v2._use_online_compress",
@@ -300,6 +307,9 @@ DIRECT_TARGETS: dict[str, tuple[str, ...]] = {
     ),
     "v4_cpu_mhc": ("sglang.srt.models.deepseek_v4.hc_head_torch",),
     "v4_cpu_index_topk": (
+        "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer",
+    ),
+    "v4_cpu_index_live_pages": (
         "sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer",
     ),
     "cpu_paged_last_loc": ("sglang.srt.mem_cache.allocation.get_last_loc_torch",),
@@ -358,6 +368,16 @@ def register_after(target: str, hook: Callable) -> None:
 
 
 # ------------------------------------------------------------------------------- checks
+def code_names(code) -> set[str]:
+    """Global and attribute names read by `code` and the functions defined inside it (for an
+    applied check that a caller still reads the name a hook replaced)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= code_names(const)
+    return names
+
+
 def resolve(target: str) -> object:
     """The object `HookRegistry` would wrap for `target` (a classmethod's function, not the
     bound method). Raises ImportError / AttributeError / ValueError when it does not exist."""

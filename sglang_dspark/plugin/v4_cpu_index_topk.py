@@ -33,7 +33,7 @@ import inspect
 import logging
 
 from sglang_dspark.plugin import v4_kernels
-from sglang_dspark.plugin.registry import applied_check, register_around
+from sglang_dspark.plugin.registry import applied_check, code_names, register_around
 
 logger = logging.getLogger(__name__)
 
@@ -79,21 +79,12 @@ def _topk_transform(original, scores, seq_lens, page_tables, out_page_indices, p
     )
 
 
-def _code_names(code) -> set[str]:
-    """Global and attribute names read by `code` and the functions defined inside it."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names |= _code_names(const)
-    return names
-
-
 @applied_check("v4_cpu_index_topk")
 def _caller_reads_the_hooked_name() -> str | None:
     from sglang.srt.layers.attention.dsv4.indexer import C4IndexerBackendMixin
 
     caller = inspect.unwrap(C4IndexerBackendMixin.forward_c4_indexer)
-    if TARGET.rpartition(".")[2] not in _code_names(caller.__code__):
+    if TARGET.rpartition(".")[2] not in code_names(caller.__code__):
         return (
             f"{CALLER} no longer calls {TARGET}: the C4 indexer's top-k on CPU would bypass "
             "dspark_kernels"

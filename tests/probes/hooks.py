@@ -1146,6 +1146,32 @@ def v4_cpu_index_topk():
 
 
 @probe
+def v4_cpu_index_live_pages():
+    import inspect
+
+    from sglang.srt.layers.attention.dsv4 import indexer
+
+    torch.manual_seed(0)
+    cache = torch.zeros(4, 64 * 132, dtype=torch.uint8)
+    cache[:, : 64 * 128] = (
+        torch.randn(4, 64 * 128).clamp(-4, 4).to(torch.float8_e4m3fn).view(torch.uint8)
+    )
+    cache[:, 64 * 128 :] = torch.ones(4, 64).view(torch.uint8).view(4, -1)  # scales 1.0
+    cache = cache.view(4, 64, 1, 132)
+    q = torch.randn(3, 1, 8, 128).to(torch.float8_e4m3fn)
+    weight, seq_lens = torch.randn(3, 8), torch.tensor([3, 0, 70], dtype=torch.int32)
+    table = torch.tensor([[1, 2, 10**6], [2, 0, 10**6], [3, 0, 10**6]], dtype=torch.int32)
+    try:  # column 2 lies past every row's length (at most two pages); its id is no page
+        got = indexer.fp8_paged_mqa_logits_torch(q, cache, weight, seq_lens, table, None, 70, False)
+    except IndexError as exc:
+        raise AssertionError(
+            f"the indexer gathered page-table columns past every row's length ({exc})"
+        ) from None
+    upstream = inspect.unwrap(indexer.fp8_paged_mqa_logits_torch)
+    assert torch.equal(got, upstream(q, cache, weight, seq_lens, table[:, :2], None, 70, False))
+
+
+@probe
 def v4_cpu_mhc():
     from sglang.kernels.ops.layernorm.mhc import _mhc_pre_torch, hc_split_sinkhorn, mhc_combine
     from sglang.kernels.ops.layernorm.mhc_head import fused_hc_head
