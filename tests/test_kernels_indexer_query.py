@@ -60,6 +60,24 @@ def test_query_matches_reference_on_ragged_verify():
 
 
 @direct
+def test_query_head_tile_does_not_change_the_bytes():
+    """The serving hook runs every head in one tile under the interpreter (one Python program per
+    tile); the kernel's default tile is 16 heads: both write the same codes and weights."""
+    q, weight, scale, positions = query_batch(seed=1)
+    args = (
+        q.to(DEVICE),
+        weight.to(DEVICE),
+        scale,
+        freqs_cis(4200).to(DEVICE),
+        positions.to(DEVICE),
+    )
+    tiled_q, tiled_w = indexer_query.indexer_query(*args)
+    whole_q, whole_w = indexer_query.indexer_query(*args, block_h=HEADS)
+    assert torch.equal(whole_q.view(torch.uint8), tiled_q.view(torch.uint8))
+    assert torch.equal(whole_w, tiled_w)
+
+
+@direct
 def test_query_reference_preserves_logits():
     """The rotation is orthonormal: q . k is kept when both sides are rotated (fp8 aside)."""
     q, weight, scale, positions = query_batch(seed=2)
