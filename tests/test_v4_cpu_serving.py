@@ -1,7 +1,8 @@
 """The tiny DeepSeek-V4 served by a real SGLang 0.5.23 on CPU: plain, then DSPARK.
 
-The plain server is started once, with the command as a user types it: `--device cpu` and
-the pool sizes, nothing else; the DSPARK server (the checkpoint's bundled draft) after it, for
+The plain server is started once, with the command as a user types it (docs/deepseek-v4.md):
+`--device cpu`, the pool sizes and `--sleep-on-idle` (an idle scheduler polls on one core
+otherwise, and the float32 reference runs beside it), nothing else; the DSPARK server (the checkpoint's bundled draft) after it, for
 the DSPARK tests (greedy one at a time and batched, sampled, and sampled with its sampler
 switched to a broken one); the plain server's samples are drawn before it stops. The
 plugin's V4 hooks (`v4_cpu_*`, `sglang_dspark/plugin/`)
@@ -79,7 +80,7 @@ def _start(tiny_v4, log_dir, extra=(), env_extra=None) -> SGLangServer:
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_v4),
         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
         "--disable-cuda-graph", "--max-total-tokens", "8192", "--swa-full-tokens-ratio", "0.5",
-        "--max-running-requests", "4", *extra,
+        "--max-running-requests", "4", "--sleep-on-idle", *extra,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
     env.update(env_extra or {})

@@ -72,7 +72,7 @@ def serve(tiny_v4, log_dir, kernels: str, prompts) -> dict:
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_v4),
         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(SEED),
         "--disable-cuda-graph", "--max-total-tokens", "8192", "--swa-full-tokens-ratio", "0.5",
-        "--max-running-requests", "4", "--speculative-algorithm", "DSPARK",
+        "--max-running-requests", "4", "--sleep-on-idle", "--speculative-algorithm", "DSPARK",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("SGLANG_") and k != "TRITON_INTERPRET"}  # fmt: skip
