@@ -47,7 +47,7 @@ def _slots(k_cache, indices, topk_length):
     if topk_length is not None:
         k = torch.arange(indices.shape[-1]).view(1, 1, -1)
         invalid = invalid | (k >= topk_length.view(-1, 1, 1))
-    kv = torch.zeros(*indices.shape, _D, dtype=torch.bfloat16)
+    kv = torch.zeros(*indices.shape, _D, dtype=torch.bfloat16, device=indices.device)
     valid = ~invalid
     if valid.any():
         kv[valid] = _gather_and_dequant(k_cache, indices[valid], k_cache.shape[1])
