@@ -24,22 +24,14 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "kernels"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return 1e3 * min(out)
+from cpu_gemm import best_ms  # the benchmarks' timer (benchmarks/cpu_gemm.py)
 
 
 def _fp8(torch, shape, gen):

@@ -378,6 +378,14 @@ def code_names(code) -> set[str]:
     return names
 
 
+def reads_name(caller: str, target: str) -> bool:
+    """Whether the function at dotted path `caller` (unwrapped) still reads the last name of
+    `target`: the applied check of a hook that replaces a module attribute its caller looks up
+    at call time."""
+    fn = inspect.unwrap(resolve(caller))
+    return target.rpartition(".")[2] in code_names(fn.__code__)
+
+
 def resolve(target: str) -> object:
     """The object `HookRegistry` would wrap for `target` (a classmethod's function, not the
     bound method). Raises ImportError / AttributeError / ValueError when it does not exist."""

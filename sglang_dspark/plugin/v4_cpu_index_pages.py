@@ -21,9 +21,7 @@ CUDA graph cannot hold, and GPUs do not run this function. Start-up refuses a
 
 from __future__ import annotations
 
-import inspect
-
-from sglang_dspark.plugin.registry import applied_check, code_names, register_around
+from sglang_dspark.plugin.registry import applied_check, reads_name, register_around
 
 INDEXER = "sglang.srt.layers.attention.dsv4.indexer"
 TARGET = f"{INDEXER}.fp8_paged_mqa_logits_torch"
@@ -46,10 +44,7 @@ def _live_pages_only(original, q_fp8, kvcache_fp8, weight, seq_lens, page_table,
 
 @applied_check("v4_cpu_index_live_pages")
 def _caller_reads_the_hooked_name() -> str | None:
-    from sglang.srt.layers.attention.dsv4.indexer import C4IndexerBackendMixin
-
-    caller = inspect.unwrap(C4IndexerBackendMixin.forward_c4_indexer)
-    if TARGET.rpartition(".")[2] not in code_names(caller.__code__):
+    if not reads_name(CALLER, TARGET):
         return (
             f"{CALLER} no longer calls {TARGET}: on CPU the C4 indexer would score every page "
             "of its page table"

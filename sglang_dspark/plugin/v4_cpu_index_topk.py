@@ -29,11 +29,10 @@ each process, and checks at start-up that `forward_c4_indexer` still calls the h
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 
 from sglang_dspark.plugin import v4_kernels
-from sglang_dspark.plugin.registry import applied_check, code_names, register_around
+from sglang_dspark.plugin.registry import applied_check, reads_name, register_around
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +80,7 @@ def _topk_transform(original, scores, seq_lens, page_tables, out_page_indices, p
 
 @applied_check("v4_cpu_index_topk")
 def _caller_reads_the_hooked_name() -> str | None:
-    from sglang.srt.layers.attention.dsv4.indexer import C4IndexerBackendMixin
-
-    caller = inspect.unwrap(C4IndexerBackendMixin.forward_c4_indexer)
-    if TARGET.rpartition(".")[2] not in code_names(caller.__code__):
+    if not reads_name(CALLER, TARGET):
         return (
             f"{CALLER} no longer calls {TARGET}: the C4 indexer's top-k on CPU would bypass "
             "dspark_kernels"
